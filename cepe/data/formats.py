@@ -1,0 +1,250 @@
+"""Readers for local corpora: plain text files or directories, JSONL, parquet and Hugging Face datasets.
+
+Each reader yields documents ``{"id": str, "text": str, "domain": str, ...}`` like the bundled loaders of
+:mod:`cepe.data.corpora`, streaming (a file is never loaded whole except a single text document).
+Records without an id get ``"<source>/<row number>"``; records without a domain get ``domain``
+(default: the file or directory stem). Extra fields of JSONL/parquet/dataset records are kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from cepe.data.corpora import Document, _read_text_file
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".tex")
+"""File suffixes :func:`read_text` picks up when given a directory (override with ``suffixes``)."""
+
+
+def _record_to_doc(
+    record: Mapping[str, Any],
+    where: str,
+    default_id: str,
+    text_field: str,
+    id_field: str,
+    domain_field: str,
+    domain: str | None,
+    default_domain: str,
+) -> Document:
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: expected a JSON object / dict record, got {type(record).__name__}")
+    if text_field not in record:
+        keys = ", ".join(sorted(map(str, record))[:20])
+        raise ValueError(
+            f"{where}: record has no {text_field!r} field (fields: {keys}); pass text_field=<name> "
+            "(`--text-field` on the command line)"
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {text_field!r} must be a string, got {type(text).__name__}")
+    doc = {k: v for k, v in record.items() if k not in (text_field, id_field, domain_field)}
+    rid = record.get(id_field)
+    doc["id"] = str(rid) if rid is not None and rid != "" else default_id
+    doc["text"] = text
+    doc["domain"] = domain or str(record.get(domain_field) or default_domain)
+    return doc
+
+
+def read_text(
+    path: str | os.PathLike[str],
+    domain: str | None = None,
+    suffixes: tuple[str, ...] = TEXT_SUFFIXES,
+) -> Iterator[Document]:
+    """One document per text file: ``path`` itself, or every file under a directory with a suffix in
+    ``suffixes`` (sorted, recursive). Ids are ``"<stem>/<relative path>"``; extra key ``path``.
+
+    Raises:
+        ValueError: ``path`` does not exist, or a directory holds no matching file.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"input {p} does not exist")
+    name = p.stem if p.is_file() else p.name
+    if p.is_file():
+        files, base = [p], p.parent
+    else:
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+        base = p
+        if not files:
+            raise ValueError(f"directory {p} holds no files ending in {', '.join(suffixes)}")
+    for f in files:
+        rel = f.relative_to(base).as_posix()
+        text = _read_text_file(f)
+        if text.strip():
+            yield {"id": f"{name}/{rel}", "text": text, "domain": domain or name, "path": rel}
+
+
+def read_jsonl(
+    path: str | os.PathLike[str],
+    text_field: str = "text",
+    id_field: str = "id",
+    domain_field: str = "domain",
+    domain: str | None = None,
+) -> Iterator[Document]:
+    """Documents from a JSON-lines file (``.jsonl`` or ``.jsonl.gz``), one object per line.
+
+    Raises:
+        ValueError: the file is missing, a line is not valid JSON, or a record lacks ``text_field``
+            (the message names the file and line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"JSONL file {p} does not exist")
+    stem = p.name.split(".")[0]
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+            yield _record_to_doc(
+                record, where, f"{stem}/{lineno}", text_field, id_field, domain_field, domain, stem
+            )
+
+
+def read_parquet(
+    path: str | os.PathLike[str],
+    text_field: str = "text",
+    id_field: str = "id",
+    domain_field: str = "domain",
+    domain: str | None = None,
+    batch_size: int = 1024,
+) -> Iterator[Document]:
+    """Documents from a parquet file, read in record batches with ``pyarrow`` (``pip install pyarrow``).
+
+    Raises:
+        ValueError: the file is missing or has no ``text_field`` column.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"parquet file {p} does not exist")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ImportError("reading parquet needs pyarrow: `pip install pyarrow` (or cepe[data])") from err
+    pf = pq.ParquetFile(p)
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise ValueError(
+            f"{p}: no {text_field!r} column (columns: {', '.join(names)}); pass text_field=<name> "
+            "(`--text-field` on the command line)"
+        )
+    row = 0
+    for batch in pf.iter_batches(batch_size=batch_size):
+        for record in batch.to_pylist():
+            yield _record_to_doc(
+                record,
+                f"{p} row {row}",
+                f"{p.stem}/{row}",
+                text_field,
+                id_field,
+                domain_field,
+                domain,
+                p.stem,
+            )
+            row += 1
+
+
+def from_records(
+    records: Iterable[Mapping[str, Any]],
+    name: str = "records",
+    text_field: str = "text",
+    id_field: str = "id",
+    domain_field: str = "domain",
+    domain: str | None = None,
+) -> Iterator[Document]:
+    """Documents from any iterable of dict records, e.g. a Hugging Face ``datasets.Dataset``.
+
+    Raises:
+        ValueError: a record is not a mapping or lacks ``text_field``.
+    """
+    for i, record in enumerate(records):
+        yield _record_to_doc(
+            record, f"{name} record {i}", f"{name}/{i}", text_field, id_field, domain_field, domain, name
+        )
+
+
+def read_hf_dataset(
+    dataset: Any,
+    split: str = "train",
+    text_field: str = "text",
+    id_field: str = "id",
+    domain: str | None = None,
+    streaming: bool = True,
+    **load_kwargs: Any,
+) -> Iterator[Document]:
+    """Documents from a Hugging Face dataset: a ``datasets`` object (any iterable of dicts) or a name /
+    path passed to ``datasets.load_dataset(dataset, split=split, streaming=streaming, **load_kwargs)``.
+
+    ``datasets`` is optional: it is imported only when ``dataset`` is a string.
+
+    Raises:
+        ImportError: ``dataset`` is a name and ``datasets`` is not installed.
+    """
+    if isinstance(dataset, (str, os.PathLike)):
+        try:
+            import datasets
+        except ImportError as err:
+            raise ImportError(
+                "loading a dataset by name needs the optional `datasets` package: `pip install datasets`; "
+                "or pass a JSONL/parquet file instead"
+            ) from err
+        name = str(dataset).rstrip("/").split("/")[-1]
+        dataset = datasets.load_dataset(str(dataset), split=split, streaming=streaming, **load_kwargs)
+    else:
+        name = getattr(getattr(dataset, "info", None), "dataset_name", None) or "dataset"
+    return from_records(dataset, name=name, text_field=text_field, id_field=id_field, domain=domain)
+
+
+def read_path(
+    path: str | os.PathLike[str],
+    text_field: str = "text",
+    id_field: str = "id",
+    domain: str | None = None,
+) -> Iterator[Document]:
+    """Dispatch on the file name: ``*.jsonl``/``*.jsonl.gz`` -> :func:`read_jsonl`, ``*.json`` (one object
+    or a list of objects) -> :func:`from_records`,
+    ``*.parquet`` -> :func:`read_parquet`, any other file or a directory -> :func:`read_text`.
+
+    A directory of ``*.jsonl`` / ``*.parquet`` files is read file by file in sorted order.
+
+    Raises:
+        ValueError: ``path`` does not exist.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"input {p} does not exist (expected a bundled corpus name, a file or a directory)")
+    name = p.name.lower()
+    if p.is_dir():
+        tabular = sorted(
+            f
+            for f in p.rglob("*")
+            if f.is_file() and f.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))
+        )
+        if tabular:
+            for f in tabular:
+                yield from read_path(f, text_field=text_field, id_field=id_field, domain=domain or p.name)
+            return
+        yield from read_text(p, domain=domain)
+    elif name.endswith((".jsonl", ".jsonl.gz")):
+        yield from read_jsonl(p, text_field=text_field, id_field=id_field, domain=domain)
+    elif name.endswith(".json"):
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p}: invalid JSON ({err.msg} at line {err.lineno})") from None
+        records = data if isinstance(data, list) else [data]
+        yield from from_records(records, name=p.stem, text_field=text_field, id_field=id_field, domain=domain)
+    elif name.endswith(".parquet"):
+        yield from read_parquet(p, text_field=text_field, id_field=id_field, domain=domain)
+    else:
+        yield from read_text(p, domain=domain)
