@@ -2,27 +2,46 @@
 
 Typical use::
 
-    from cepe.data import prepare_data, TokenizedCorpus, SequenceMixture, split_for_cepe
+    from cepe.data import SequenceMixture, TokenizedCorpus, prepare_data, split_for_cepe
     out = prepare_data(["austen", "acl", "stdlib"], "data/tok")          # shards + summary.json
     ds = SequenceMixture(TokenizedCorpus(out), "train", seq_length=8192, seed=0)
     window = ds[0]                                                       # (T,) int64
     enc_ids, dec_ids = split_for_cepe(window, n_decoder=4096, chunk_length=256, n_chunks=16)
+
+Names are imported lazily so that ``cepe --help`` does not pay for torch.
 """
 
 from __future__ import annotations
 
-from cepe.data.corpora import BUNDLED, CorpusUnavailableError, acl_summaries, load_corpus
-from cepe.data.split import SPLITS, SplitFractions, assign_split
-from cepe.data.tokenized import ShardWriter, TokenizedCorpus
+import importlib
+from typing import Any
 
-__all__ = [
-    "BUNDLED",
-    "SPLITS",
-    "CorpusUnavailableError",
-    "ShardWriter",
-    "SplitFractions",
-    "TokenizedCorpus",
-    "acl_summaries",
-    "assign_split",
-    "load_corpus",
-]
+_EXPORTS = {
+    "BUNDLED": "corpora",
+    "CorpusUnavailableError": "corpora",
+    "acl_summaries": "corpora",
+    "load_corpus": "corpora",
+    "read_path": "formats",
+    "read_hf_dataset": "formats",
+    "SPLITS": "split",
+    "SplitFractions": "split",
+    "assign_split": "split",
+    "ShardWriter": "tokenized",
+    "TokenizedCorpus": "tokenized",
+    "SequenceMixture": "sequences",
+    "ResumableSampler": "sequences",
+    "split_for_cepe": "sequences",
+    "split_for_warmup": "sequences",
+    "cepe_example": "sequences",
+    "mask_encoder_chunks": "sequences",
+    "mlm_example": "sequences",
+    "prepare_data": "prepare",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"cepe.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'cepe.data' has no attribute {name!r}")

@@ -43,7 +43,7 @@ class SplitFractions:
 
     def as_dict(self) -> dict[str, float]:
         """``{"train": .., "test": .., "retrieval": ..}``."""
-        return {"train": self.train, "test": self.test, "retrieval": self.retrieval}
+        return {"train": round(self.train, 12), "test": self.test, "retrieval": self.retrieval}
 
 
 def doc_hash(doc_id: str, seed: int = 0) -> float:

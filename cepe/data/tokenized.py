@@ -36,12 +36,19 @@ INDEX_FILE = "index.json"
 DEFAULT_SHARD_TOKENS = 1 << 25  # 32M tokens: 64 MB as uint16, 128 MB as uint32
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -59,6 +66,7 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array, allow_pickle=False)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
