@@ -22,6 +22,7 @@ from cepe.data.tokenized import (
     DEFAULT_SHARD_TOKENS,
     INDEX_FILE,
     ShardWriter,
+    _umask,
     atomic_write_json,
     tokenize_documents,
 )
