@@ -1,0 +1,264 @@
+"""Shared evaluation plumbing: the loaded model bundle, task configs, document sources, the per-method
+loop with cost measurement, and small text helpers.
+
+Shape legend: B batch, K chunks, L chunk length, T tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from cepe.eval.measure import Meter
+from cepe.eval.methods import METHODS, Method, build_method
+
+
+@dataclass
+class EvalSetup:
+    """A loaded model bundle and run-wide options.
+
+    Attributes:
+        tokenizer: HF tokenizer (or any object with ``encode``/``decode`` and special token ids).
+        decoder: the plain HF causal LM used by the baselines (for a CEPE model: ``model.decoder``; with no
+            context set its cross-attention is inactive).
+        cepe_model: the CEPE model, or None (then the ``cepe`` method is unavailable).
+        methods: method names to run.
+        method_options: per-method settings, e.g. ``{"streamingllm": {"recent_tokens": 2044}}``.
+        autocast_dtype: e.g. ``torch.bfloat16`` for bf16 autocast (None = model dtype).
+        batch_size: requests of equal length scored per forward.
+        seed: run seed.
+        limit: cap on examples per setting (None = the config's count).
+        progress: show progress bars.
+    """
+
+    tokenizer: Any
+    decoder: torch.nn.Module
+    cepe_model: torch.nn.Module | None = None
+    methods: list[str] = field(default_factory=lambda: ["truncated"])
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    autocast_dtype: torch.dtype | None = None
+    batch_size: int = 8
+    seed: int = 0
+    limit: int | None = None
+    progress: bool = True
+    _cache: dict[str, Method] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for m in self.methods:
+            if m not in METHODS:
+                raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if "cepe" in self.methods and self.cepe_model is None:
+            raise ValueError(
+                "method 'cepe' needs a CEPE model: pass --model <CEPE adapter dir>, or remove 'cepe' from "
+                "--methods to evaluate a plain decoder"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.decoder.parameters()).device
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [] if eos is None else [int(eos)]
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.tokenizer, "eos_token_id", None)
+        return int(pad or 0)
+
+    @property
+    def start_id(self) -> int:
+        """Token that stands for the empty string (BOS if the tokenizer has one, else EOS)."""
+        for name in ("bos_token_id", "eos_token_id"):
+            v = getattr(self.tokenizer, name, None)
+            if v is not None:
+                return int(v)
+        raise ValueError(
+            "the tokenizer defines neither a BOS nor an EOS token; the empty prompt is undefined"
+        )
+
+    def method(self, name: str) -> Method:
+        """The (cached) method object for ``name``."""
+        if name not in self._cache:
+            self._cache[name] = build_method(
+                name,
+                self.decoder,
+                self.cepe_model,
+                self.method_options.get(name),
+                eos_token_id=self.eos_ids,
+                pad_token_id=self.pad_id,
+                autocast_dtype=self.autocast_dtype,
+                batch_size=self.batch_size,
+            )
+        return self._cache[name]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def newline_ids(self) -> tuple[int, ...]:
+        """Ids of tokens that decode to text containing a newline (generation stops there)."""
+        ids = self.encode("\n")
+        return tuple(ids) if len(ids) == 1 else ()
+
+
+C = TypeVar("C")
+
+
+def config_from_dict(cls: type[C], data: dict[str, Any] | None, where: str = "config") -> C:
+    """Build dataclass ``cls`` from a dict, rejecting unknown keys with a message listing the known ones."""
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(names)}")
+    return cls(**data)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """``set_dotted(d, "a.b", 1)`` sets ``d["a"]["b"] = 1`` (creating dicts on the way)."""
+    parts = key.split(".")
+    cur = data
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+        if not isinstance(cur, dict):
+            raise ValueError(f"cannot set {key!r}: {p!r} is not a mapping")
+    cur[parts[-1]] = value
+
+
+def iter_source(source: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Documents ``{"id", "text", "domain", ...}`` of one source spec.
+
+    A spec is ``{"corpus": <bundled name>}`` (see :mod:`cepe.data.corpora`), ``{"path": <file or dir>,
+    "text_field": "text"}`` (JSONL, JSON, parquet, text files), or ``{"documents": [{"text": ...}, ...]}``
+    (inline, for tests). ``name`` renames the domain, ``max_documents`` caps the count.
+    """
+    name = source.get("name")
+    cap = source.get("max_documents")
+    if "documents" in source:
+        docs: Iterable[dict[str, Any]] = (
+            {"id": d.get("id", f"doc{i}"), "domain": d.get("domain", name or "inline"), **d}
+            for i, d in enumerate(source["documents"])
+        )
+    elif "corpus" in source:
+        from cepe.data.corpora import load_corpus
+
+        docs = load_corpus(source["corpus"], download=bool(source.get("download", False)))
+    elif "path" in source:
+        from cepe.data.formats import read_path
+
+        docs = read_path(source["path"], text_field=source.get("text_field", "text"))
+    else:
+        raise ValueError(f"source {source} needs one of 'corpus', 'path' or 'documents'")
+    for i, d in enumerate(docs):
+        if cap is not None and i >= cap:
+            break
+        if name:
+            d = {**d, "domain": name}
+        yield d
+
+
+def run_examples(
+    setup: EvalSetup,
+    method: str,
+    items: Sequence[Any],
+    fn: Callable[[Method, Any], tuple[float | dict[str, float], int]],
+    desc: str,
+) -> tuple[list[float | dict[str, float]], dict[str, Any]]:
+    """Run ``fn(method_obj, item) -> (value, tokens)`` over ``items`` under a :class:`Meter`.
+
+    Returns:
+        ``(values, cost)``: per-item values and the meter summary (tokens/s, peak memory).
+    """
+    from tqdm.auto import tqdm
+
+    m = setup.method(method)
+    meter = Meter(setup.device)
+    values = []
+    for item in tqdm(items, desc=f"{desc} [{method}]", disable=not setup.progress, leave=False):
+        with meter.measure(0):
+            value, tokens = fn(m, item)
+        meter.tokens += int(tokens)
+        values.append(value)
+    return values, meter.summary()
+
+
+def limit_items(items: list[Any], n: int | None, setup: EvalSetup) -> list[Any]:
+    """Keep the first ``min(n, setup.limit)`` items (None = no cap)."""
+    for cap in (n, setup.limit):
+        if cap is not None:
+            items = items[: int(cap)]
+    return items
+
+
+_SENT = re.compile(r"(?<=[.!?])\s+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split text after ``.``/``!``/``?`` followed by whitespace; each sentence keeps a trailing space."""
+    return [s + " " for s in _SENT.split(text.strip()) if s]
+
+
+def pack_sentences(sentences: Sequence[Sequence[int]], chunk_length: int) -> list[list[int]]:
+    """Greedily pack tokenised sentences into chunks of at most ``chunk_length`` tokens, splitting only at
+    sentence boundaries (a sentence longer than a chunk is cut into full chunks)."""
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    for s in sentences:
+        s = list(s)
+        if len(cur) + len(s) <= chunk_length:
+            cur.extend(s)
+            continue
+        if cur:
+            chunks.append(cur)
+            cur = []
+        while len(s) > chunk_length:
+            chunks.append(s[:chunk_length])
+            s = s[chunk_length:]
+        cur = s
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def chunk_tail_aligned(ids: Sequence[int], chunk_length: int) -> list[list[int]]:
+    """Split ``ids`` into pieces of ``chunk_length`` aligned to the end (the first piece may be shorter),
+    so the last piece adjoins what follows."""
+    ids = list(ids)
+    first = len(ids) % chunk_length
+    out = [ids[:first]] if first else []
+    out.extend(ids[i : i + chunk_length] for i in range(first, len(ids), chunk_length))
+    return out
+
+
+def wrap_prompt(setup: EvalSetup, use_chat: bool | str, body_marker: str = "\x00BODY\x00") -> tuple[str, str]:
+    """Text before and after the user content when a chat template applies (``("", "")`` otherwise).
+
+    ``use_chat`` is True, False or ``"auto"`` (use the tokenizer's chat template when it has one).
+    """
+    tok = setup.tokenizer
+    has = bool(getattr(tok, "chat_template", None))
+    if use_chat == "auto":
+        use_chat = has
+    if not use_chat:
+        return "", ""
+    if not has:
+        raise ValueError(
+            "chat_template=true but the tokenizer has no chat template; set chat_template: false"
+        )
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": body_marker}], tokenize=False, add_generation_prompt=True
+    )
+    before, after = text.split(body_marker, 1)
+    return before, after

@@ -1,0 +1,123 @@
+"""Result files: JSON (everything), a markdown table, and PNG plots (matplotlib, Agg backend).
+
+A result is ``{"task", "model", "config", "rows": [...]}``; a row is ``{"method", "setting": {...},
+"metric", "value", "n", "tokens_per_s", "peak_memory_mb", ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """Markdown table of the rows: setting columns, method, metric, value, n, tokens/s, peak MB."""
+    rows = result.get("rows", [])
+    keys: list[str] = []
+    for r in rows:
+        for k in r.get("setting", {}):
+            if k not in keys:
+                keys.append(k)
+    head = [*keys, "method", "metric", "value", "n", "tokens/s", "peak MB"]
+    lines = [f"# {result.get('task', 'eval')}: {result.get('model', '')}", ""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for r in rows:
+        cells = [_fmt(r.get("setting", {}).get(k, "")) for k in keys]
+        cells += [r["method"], r["metric"], _fmt(r["value"]), _fmt(r.get("n", ""))]
+        cells += [_fmt(r.get("tokens_per_s", "")), _fmt(r.get("peak_memory_mb", ""))]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = result.get("notes")
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def plot_lines(result: dict[str, Any], x_key: str, path: Path, metric: str | None = None) -> Path | None:
+    """Metric against setting ``x_key``: one line per method and per value of the other settings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    ylabel = metric or ""
+    for r in result.get("rows", []):
+        if metric is not None and r["metric"] != metric:
+            continue
+        s = r.get("setting", {})
+        if x_key not in s or not isinstance(r["value"], (int, float)):
+            continue
+        ylabel = r["metric"]
+        rest = ", ".join(f"{k}={v}" for k, v in s.items() if k != x_key)
+        series[f"{r['method']}" + (f" ({rest})" if rest else "")].append((float(s[x_key]), float(r["value"])))
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(ylabel)
+    ax.set_title(str(result.get("task", "")))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_heatmap(grid: list[list[float]], xs: list[Any], ys: list[Any], path: Path, title: str) -> Path:
+    """Heatmap of ``grid[y][x]`` in [0, 1] (needle accuracy: depth rows x length columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(xs), 1.0 + 0.5 * len(ys)))
+    im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    ax.set_yticks(range(len(ys)), [f"{y:.0%}" if isinstance(y, float) else str(y) for y in ys])
+    ax.set_xlabel("total tokens")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None = None) -> dict[str, str]:
+    """Write ``<task>.json``, ``<task>.md`` and (with ``x_key``) ``<task>.png`` into ``out_dir``.
+
+    Returns:
+        ``{"json": path, "markdown": path, "plot": path?}``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    task = str(result.get("task", "eval"))
+    paths = {"json": str(out / f"{task}.json"), "markdown": str(out / f"{task}.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown_table(result))
+    if x_key:
+        p = plot_lines(result, x_key, out / f"{task}.png")
+        if p is not None:
+            paths["plot"] = str(p)
+    for extra in result.get("plots", []):
+        paths.setdefault("extra_plots", "")
+        paths["extra_plots"] = ",".join(filter(None, [paths["extra_plots"], extra]))
+    return paths
