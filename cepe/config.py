@@ -1,0 +1,232 @@
+"""Validated configuration dataclasses, saved as JSON next to the adapter weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+CacheMode = Literal["kv", "states", "absorbed"]
+AttnImpl = Literal["sdpa", "eager"]
+InitMode = Literal["zero", "copy"]
+ScoreScaling = Literal["none", "yarn"]
+
+CACHE_MODES = ("kv", "states", "absorbed")
+ATTN_IMPLS = ("sdpa", "eager")
+INIT_MODES = ("zero", "copy")
+SCORE_SCALINGS = ("none", "yarn")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class EncoderConfig:
+    """Architecture of the bidirectional context encoder (Llama-style: RMSNorm, RoPE, SwiGLU).
+
+    The encoder shares the decoder's vocabulary; ``vocab_size`` may exceed the decoder's by one extra
+    ``[MASK]`` token used only by masked-LM pre-training (``mask_token_id``).
+    """
+
+    vocab_size: int
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    mask_token_id: int | None = None
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            _check(
+                self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0,
+                f"encoder hidden_size {self.hidden_size} must be divisible by num_attention_heads "
+                f"{self.num_attention_heads} (or give head_dim)",
+            )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistent field."""
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        ):
+            _check(
+                int(getattr(self, name)) > 0, f"encoder {name} must be positive, got {getattr(self, name)}"
+            )
+        _check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"encoder num_attention_heads {self.num_attention_heads} must be a multiple of "
+            f"num_key_value_heads {self.num_key_value_heads}",
+        )
+        _check(self.head_dim % 2 == 0, f"encoder head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mask_token_id is not None:
+            _check(
+                0 <= self.mask_token_id < self.vocab_size,
+                f"mask_token_id {self.mask_token_id} outside the encoder vocabulary ({self.vocab_size})",
+            )
+
+
+@dataclass
+class CepeConfig:
+    """Everything CEPE adds to a frozen decoder.
+
+    Attributes:
+        encoder: the context encoder's architecture.
+        decoder_name_or_path: the base decoder (hub id, local dir, or ``"default"``).
+        cross_attention_layers: decoder layer indices that get cross-attention (None = all).
+        num_cross_attn_layers: the official form: cross-attention in the LAST this-many layers.
+            Mutually exclusive with ``cross_attention_layers``.
+        chunk_length: L, encoder tokens per chunk.
+        init_mode: ``"zero"`` (paper: o_proj zero) or ``"copy"`` (official code: o_proj copied);
+            q/k/v are always copied from the layer's self-attention, k/v sliced to the encoder width.
+        attn_implementation: cross-attention (and encoder) kernel: ``"sdpa"`` or ``"eager"`` reference.
+        cross_attention_cache: default generation cache mode: ``"kv"``, ``"states"`` or ``"absorbed"``.
+        score_scaling: ``"yarn"`` multiplies cross-attention scores by ``(1 + 0.1 ln s)^2`` with
+            ``s = context tokens / train_context_tokens`` when ``s > 1`` (long inputs, Appendix "Needle").
+        train_context_tokens: encoder tokens per example seen in training (needed by score scaling).
+        encoder_micro_batch: chunks encoded per encoder call (bounds activation memory at 128K tokens).
+        pack_keys: drop padded encoder positions before cross-attention (keys carry no position).
+        decoder_vocab_size: filled from the decoder; the encoder must share this vocabulary.
+    """
+
+    encoder: EncoderConfig
+    decoder_name_or_path: str | None = None
+    cross_attention_layers: list[int] | None = None
+    num_cross_attn_layers: int | None = None
+    chunk_length: int = 256
+    init_mode: InitMode = "zero"
+    attn_implementation: AttnImpl = "sdpa"
+    cross_attention_cache: CacheMode = "kv"
+    score_scaling: ScoreScaling = "none"
+    train_context_tokens: int | None = None
+    encoder_micro_batch: int = 64
+    pack_keys: bool = True
+    decoder_vocab_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.encoder, dict):
+            self.encoder = EncoderConfig(**self.encoder)
+        if self.cross_attention_layers is not None:
+            self.cross_attention_layers = [int(i) for i in self.cross_attention_layers]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field and its allowed values."""
+        _check(self.chunk_length > 0, f"chunk_length must be positive, got {self.chunk_length}")
+        _check(self.init_mode in INIT_MODES, f"init_mode must be one of {INIT_MODES}, got {self.init_mode!r}")
+        _check(
+            self.attn_implementation in ATTN_IMPLS,
+            f"attn_implementation must be one of {ATTN_IMPLS}, got {self.attn_implementation!r}",
+        )
+        _check(
+            self.cross_attention_cache in CACHE_MODES,
+            f"cross_attention_cache must be one of {CACHE_MODES}, got {self.cross_attention_cache!r}",
+        )
+        _check(
+            self.score_scaling in SCORE_SCALINGS,
+            f"score_scaling must be one of {SCORE_SCALINGS}, got {self.score_scaling!r}",
+        )
+        if self.score_scaling != "none":
+            _check(
+                bool(self.train_context_tokens) and self.train_context_tokens > 0,
+                "score_scaling needs train_context_tokens (encoder tokens per training example)",
+            )
+        _check(self.encoder_micro_batch > 0, "encoder_micro_batch must be positive")
+        _check(
+            self.cross_attention_layers is None or self.num_cross_attn_layers is None,
+            "give either cross_attention_layers or num_cross_attn_layers, not both",
+        )
+        if self.num_cross_attn_layers is not None:
+            _check(self.num_cross_attn_layers > 0, "num_cross_attn_layers must be positive")
+        if self.decoder_vocab_size is not None:
+            _check(
+                self.encoder.vocab_size in (self.decoder_vocab_size, self.decoder_vocab_size + 1),
+                f"vocabulary mismatch: the encoder has {self.encoder.vocab_size} tokens but the decoder "
+                f"{self.decoder_vocab_size}; the encoder must share the decoder's vocabulary (plus at most "
+                "one [MASK] token)",
+            )
+
+    def layer_indices(self, num_decoder_layers: int) -> list[int]:
+        """Decoder layers that receive cross-attention, validated against the decoder depth."""
+        if self.cross_attention_layers is not None:
+            idx = sorted(set(self.cross_attention_layers))
+        elif self.num_cross_attn_layers is not None:
+            _check(
+                self.num_cross_attn_layers <= num_decoder_layers,
+                f"num_cross_attn_layers {self.num_cross_attn_layers} exceeds the decoder's {num_decoder_layers} layers",
+            )
+            idx = list(range(num_decoder_layers - self.num_cross_attn_layers, num_decoder_layers))
+        else:
+            idx = list(range(num_decoder_layers))
+        bad = [i for i in idx if not 0 <= i < num_decoder_layers]
+        _check(not bad, f"cross_attention_layers {bad} outside the decoder's {num_decoder_layers} layers")
+        return idx
+
+    def score_scale(self, context_tokens: float) -> float:
+        """Multiplier on cross-attention scores for ``context_tokens`` encoder tokens (1.0 if off)."""
+        if self.score_scaling == "none" or not self.train_context_tokens:
+            return 1.0
+        s = context_tokens / self.train_context_tokens
+        return (1.0 + 0.1 * math.log(s)) ** 2 if s > 1 else 1.0
+
+    # --- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CepeConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        _check(not unknown, f"unknown CepeConfig keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the config as JSON (atomically)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CepeConfig:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def default_encoder_config(decoder_config: Any) -> EncoderConfig:
+    """An encoder about a quarter of the decoder's width and depth, sharing its vocabulary
+    (plus one ``[MASK]`` token for masked-LM pre-training)."""
+    d = int(decoder_config.hidden_size)
+    width = max(64, int(math.ceil(d / 4 / 64)) * 64)
+    heads = max(1, width // 64)
+    layers = max(2, int(decoder_config.num_hidden_layers) // 4)
+    vocab = int(decoder_config.vocab_size)
+    return EncoderConfig(
+        vocab_size=vocab + 1,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        rms_norm_eps=float(getattr(decoder_config, "rms_norm_eps", 1e-5) or 1e-5),
+        mask_token_id=vocab,
+    )

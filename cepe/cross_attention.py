@@ -1,0 +1,172 @@
+"""Cross-attention from the decoder stream to the encoder states Φ, and its generation caches.
+
+Computation (matching the released checkpoints): ``q = q_proj(RMSNorm(h))``, ``k = k_proj(Φ)``,
+``v = v_proj(Φ)``, GQA, no rotary embedding, scale ``1/sqrt(hd)``, fp32 softmax, ``o_proj``; padded
+encoder positions are masked as keys; an example with no context gets exactly zero.
+
+Cache modes for generation:
+- ``"kv"``: K/V projected once per prompt, cached per layer (fastest decode, most memory).
+- ``"states"``: only Φ is kept; K/V are re-projected at every step (the reference code's behaviour).
+- ``"absorbed"``: only Φ is kept; ``k_proj`` is folded into the query and ``v_proj`` applied after
+  the attention-weighted sum of Φ, so no per-layer K/V is ever materialised.
+
+Shape legend: B batch, T query tokens, S encoder tokens, D_dec / D_enc widths, H / KV heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import ATTENTION_KERNELS, RMSNorm
+
+
+@dataclass
+class CrossContext:
+    """The encoder output that every cross-attention layer reads during one forward or generate call.
+
+    Attributes:
+        states: Φ ``(B, S, D_enc)``.
+        key_mask: ``(B, S)`` bool (True = real token), or None when every position is real.
+        mode: cache mode, ``"kv" | "states" | "absorbed"``.
+        impl: attention kernel, ``"sdpa" | "eager"``.
+        q_scale: ``(B, 1, 1, 1)`` score multipliers (long-input scaling), or None.
+        has_context: ``(B, 1, 1)`` 1.0 where the example has at least one real key, else 0.0; None = all.
+        kv: per-layer cache of projected ``(K, V)`` (mode ``"kv"``).
+    """
+
+    states: torch.Tensor
+    key_mask: torch.Tensor | None = None
+    mode: str = "kv"
+    impl: str = "sdpa"
+    q_scale: torch.Tensor | None = None
+    has_context: torch.Tensor | None = None
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.states.shape[0]
+
+    def expand(self, batch: int) -> CrossContext:
+        """The context repeated for a batch of ``batch`` rows (beam search, several samples)."""
+        if batch == self.batch_size:
+            return self
+        if batch % self.batch_size:
+            raise ValueError(
+                f"decoder batch {batch} is not a multiple of the context batch {self.batch_size}"
+            )
+        r = batch // self.batch_size
+
+        def rep(t):
+            return None if t is None else t.repeat_interleave(r, dim=0)
+
+        return CrossContext(
+            rep(self.states),
+            rep(self.key_mask),
+            self.mode,
+            self.impl,
+            rep(self.q_scale),
+            rep(self.has_context),
+        )
+
+
+class CrossAttention(nn.Module):
+    """One cross-attention block; returns the update ``o_proj(attn(...))`` to add to the residual stream.
+
+    Parameter names follow the released checkpoints: ``layernorm``, ``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj`` (no biases).
+    """
+
+    def __init__(
+        self,
+        decoder_hidden: int,
+        encoder_hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        layer_idx: int,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.layernorm = RMSNorm(decoder_hidden, eps)
+        self.q_proj = nn.Linear(decoder_hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(encoder_hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(encoder_hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, decoder_hidden, bias=False)
+
+    def project_kv(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Φ ``(B, S, D_enc)`` -> K, V ``(B, KV, S, hd)``."""
+        b, s, _ = states.shape
+        k = self.k_proj(states).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(states).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def forward(self, hidden: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
+        """``hidden`` ``(B, T, D_dec)`` (residual stream after self-attention) -> update ``(B, T, D_dec)``."""
+        b, t, _ = hidden.shape
+        q = self.q_proj(self.layernorm(hidden)).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        if ctx.q_scale is not None:
+            q = q * ctx.q_scale.to(q.dtype)  # scales every score of that example
+        key_mask = ctx.key_mask
+        if ctx.mode == "absorbed":
+            out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
+        else:
+            if ctx.mode == "kv":
+                if self.layer_idx not in ctx.kv:
+                    ctx.kv[self.layer_idx] = self.project_kv(ctx.states.to(q.dtype))
+                k, v = ctx.kv[self.layer_idx]
+            else:  # "states": re-project at every call
+                k, v = self.project_kv(ctx.states.to(q.dtype))
+            out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
+        out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        if ctx.has_context is not None:
+            out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
+        return out
+
+    def _absorbed(
+        self, q: torch.Tensor, states: torch.Tensor, key_mask: torch.Tensor | None, impl: str
+    ) -> torch.Tensor:
+        """Attention over Φ with ``k_proj`` folded into the query and ``v_proj`` applied afterwards.
+
+        ``q·(W_k φ) = (W_kᵀ q)·φ`` and ``Σ p·(W_v φ) = W_v (Σ p·φ)``: all heads attend to the same
+        keys Φ, so every query head is stacked along one query axis.
+        """
+        b, h, t, hd = q.shape
+        groups = h // self.num_kv
+        d_enc = states.shape[-1]
+        wk = self.k_proj.weight.view(self.num_kv, hd, d_enc)  # (KV, hd, D_enc)
+        wv = self.v_proj.weight.view(self.num_kv, hd, d_enc)
+        qg = q.reshape(b, self.num_kv, groups * t, hd)  # (B, KV, G·T, hd)
+        q_abs = torch.einsum("bkqd,kde->bkqe", qg, wk)  # (B, KV, G·T, D_enc)
+        q_abs = q_abs.reshape(b, 1, self.num_kv * groups * t, d_enc)
+        phi = states[:, None]  # (B, 1, S, D_enc)
+        if impl == "eager":
+            ctx_sum = ATTENTION_KERNELS["eager"](q_abs, phi, phi, key_mask, self.scale)
+        else:
+            mask = None if key_mask is None else key_mask[:, None, None, :]
+            ctx_sum = F.scaled_dot_product_attention(q_abs, phi, phi, attn_mask=mask, scale=self.scale)
+        ctx_sum = ctx_sum.reshape(b, self.num_kv, groups * t, d_enc)  # Σ p·φ per head
+        out = torch.einsum("bkqe,kde->bkqd", ctx_sum, wv)  # (B, KV, G·T, hd)
+        return out.reshape(b, h, t, hd)
+
+    @torch.no_grad()
+    def init_from_self_attention(self, self_attn: nn.Module, mode: str) -> None:
+        """Paper init: q/k/v copied from the layer's self-attention (k/v: first D_enc input columns);
+        o_proj zero (``mode="zero"``) or copied (``mode="copy"``, as the official code does)."""
+        n = min(self.k_proj.weight.shape[1], self_attn.k_proj.weight.shape[1])  # D_enc (< D_dec in practice)
+        self.q_proj.weight.copy_(self_attn.q_proj.weight)
+        self.k_proj.weight[:, :n].copy_(self_attn.k_proj.weight[:, :n])
+        self.v_proj.weight[:, :n].copy_(self_attn.v_proj.weight[:, :n])
+        if mode == "zero":
+            self.o_proj.weight.zero_()
+        else:
+            self.o_proj.weight.copy_(self_attn.o_proj.weight)

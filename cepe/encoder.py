@@ -1,0 +1,186 @@
+"""The bidirectional context encoder.
+
+A Llama-style transformer (RMSNorm, RoPE, SwiGLU) without a causal mask. Weight names follow the
+released checkpoints (``embed_tokens``, ``layers.{j}.self_attn.{q,k,v,o}_proj``, ``layers.{j}.mlp.*``,
+``layers.{j}.{input,post_attention}_layernorm``, ``norm``).
+
+Shape legend: B batch, K chunks, L chunk length, S = K·L, N = chunks in one encoder call, D = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import EncoderConfig
+from .layers import ATTENTION_KERNELS, RMSNorm, apply_rope, rope_cos_sin
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None, impl: str
+    ) -> torch.Tensor:
+        n, length, _ = x.shape
+        q = self.q_proj(x).view(n, length, self.num_heads, self.head_dim).transpose(1, 2)  # (N, H, L, hd)
+        k = self.k_proj(x).view(n, length, self.num_kv, self.head_dim).transpose(1, 2)  # (N, KV, L, hd)
+        v = self.v_proj(x).view(n, length, self.num_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ATTENTION_KERNELS[impl](q, k, v, key_mask, 1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(n, length, -1))
+
+
+class EncoderMLP(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.self_attn = EncoderAttention(cfg)
+        self.mlp = EncoderMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, key_mask, impl):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_mask, impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ContextEncoder(nn.Module):
+    """Bidirectional encoder applied to every chunk independently (positions 0..L-1 in each chunk)."""
+
+    def __init__(self, cfg: EncoderConfig, attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        self.config = cfg
+        self.attn_implementation = attn_implementation
+        self.gradient_checkpointing = False
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) for linear and embedding weights, ones for norms."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode a batch of chunks.
+
+        Args:
+            input_ids: ``(N, L)`` token ids.
+            attention_mask: ``(N, L)``, nonzero/True on real tokens; every row needs one real token.
+
+        Returns:
+            Last hidden states after the final norm, ``(N, L, D)``.
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(
+            input_ids.shape[1], self.config.head_dim, self.config.rope_theta, x.device, x.dtype
+        )
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        if key_mask is not None and bool(key_mask.all()):
+            key_mask = None
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, key_mask, self.attn_implementation, use_reentrant=False
+                )
+            else:
+                x = layer(x, cos, sin, key_mask, self.attn_implementation)
+        return self.norm(x)
+
+    def encode_chunks(
+        self,
+        encoder_input_ids: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None = None,
+        micro_batch: int = 64,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode ``(B, K, L)`` chunks independently into Φ.
+
+        Chunks without any real token are skipped (never run through the encoder); chunks are encoded
+        in micro-batches of at most ``micro_batch`` so long contexts fit in memory.
+
+        Returns:
+            ``(states, key_mask)``: Φ ``(B, K·L, D)`` (zeros at padded positions) and ``(B, K·L)`` bool.
+        """
+        b, k, length = encoder_input_ids.shape
+        ids = encoder_input_ids.reshape(b * k, length)  # (B·K, L)
+        if encoder_attention_mask is None:
+            mask = torch.ones_like(ids, dtype=torch.bool)
+        else:
+            mask = encoder_attention_mask.reshape(b * k, length).bool()
+        dtype = self.embed_tokens.weight.dtype
+        if torch.is_autocast_enabled(ids.device.type):
+            dtype = torch.get_autocast_dtype(ids.device.type)
+        states = torch.zeros(b * k, length, self.config.hidden_size, dtype=dtype, device=ids.device)
+        live = mask.any(-1).nonzero().flatten()  # chunks with at least one real token
+        for start in range(0, live.numel(), micro_batch):
+            sel = live[start : start + micro_batch]
+            out = self(ids[sel], mask[sel])
+            states = states.index_copy(0, sel, out.to(dtype))
+        states = states * mask[..., None].to(dtype)
+        return states.view(b, k * length, -1), mask.view(b, k * length)
+
+
+class EncoderForMaskedLM(nn.Module):
+    """The encoder with a masked-LM head, for pre-training (the head is dropped inside CEPE).
+
+    Head names follow the released MLM encoder: ``lm_dense`` (D→D, bias), GELU, ``lm_layer_norm``,
+    ``lm_head`` (D→V, bias).
+    """
+
+    def __init__(self, cfg: EncoderConfig, attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        if cfg.mask_token_id is None:
+            raise ValueError("masked-LM pre-training needs EncoderConfig.mask_token_id")
+        self.encoder = ContextEncoder(cfg, attn_implementation)
+        self.lm_dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.lm_layer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        for m in (self.lm_dense, self.lm_head):
+            nn.init.normal_(m.weight, std=cfg.initializer_range)
+            nn.init.zeros_(m.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Returns ``(loss, logits)``; logits ``(M, V)`` only at positions with ``labels != -100``
+        when labels are given (fp32 loss), else ``(N, L, V)``."""
+        h = self.encoder(input_ids, attention_mask)  # (N, L, D)
+        if labels is not None:
+            sel = labels != -100
+            h = h[sel]
+        logits = self.lm_head(self.lm_layer_norm(F.gelu(self.lm_dense(h))))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float(), labels[labels != -100])
+        return loss, logits

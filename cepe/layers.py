@@ -1,0 +1,110 @@
+"""Small building blocks shared by the encoder and the cross-attention: RMSNorm, RoPE, attention kernels.
+
+Every kernel has a plain reference (``*_ref`` / eager) next to the fast path (SDPA); tests check they agree.
+Shape legend: N sequences (B·K chunks), H heads, KV key/value heads, T query length, S key length, hd head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 then cast back, as Llama's decoder does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+def rope_cos_sin(
+    length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for positions ``0..length-1``: ``(cos, sin)`` each ``(length, head_dim)``."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    pos = torch.arange(length, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(N, H, L, hd)`` by the tables ``(L, hd)``."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(N, KV, S, hd)`` -> ``(N, KV·groups, S, hd)``; head ``h`` uses key/value head ``h // groups``."""
+    if groups == 1:
+        return x
+    n, kv, s, hd = x.shape
+    return x[:, :, None].expand(n, kv, groups, s, hd).reshape(n, kv * groups, s, hd)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Plain attention, the reference every fast path is tested against.
+
+    Scores in the input dtype, masked keys set to the dtype's minimum, softmax in fp32, cast back.
+
+    Args:
+        q: ``(N, H, T, hd)``; k, v: ``(N, KV, S, hd)`` (GQA by repeating KV heads).
+        key_mask: ``(N, S)`` bool, True = attend; None = all keys valid.
+        scale: multiplier on ``q·k``.
+
+    Returns:
+        ``(N, H, T, hd_v)``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Fused attention without a causal mask; GQA by folding query groups into the query length.
+
+    Because no mask depends on the query position, the G query heads that share a key/value head
+    are stacked along the query axis, so K/V are never repeated in memory. Same arguments and
+    result as :func:`attention_ref`.
+    """
+    n, h, t, hd = q.shape
+    kv = k.shape[1]
+    groups = h // kv
+    qg = q.reshape(n, kv, groups * t, hd)  # (N, KV, G·T, hd)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(n, h, t, v.shape[-1])
+
+
+ATTENTION_KERNELS = {"eager": attention_ref, "sdpa": attention_sdpa}

@@ -1,0 +1,460 @@
+"""``CepeForCausalLM``: a frozen Hugging Face decoder plus a context encoder and cross-attention.
+
+Shape legend: B batch, K chunks, L chunk length, S = K·L encoder tokens, T decoder tokens, V vocabulary,
+D_enc encoder width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import CACHE_MODES, CepeConfig, default_encoder_config
+from .cross_attention import CrossContext
+from .encoder import ContextEncoder
+from .wrapping import ContextSlot, attach_cross_attention, decoder_layers
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "cepe_config.json"
+
+
+def is_adapter_key(name: str) -> bool:
+    """True for parameter names CEPE adds: ``encoder.*`` and ``*.cross_attn.*`` (the trainable set)."""
+    return name.startswith("encoder.") or ".cross_attn." in name
+
+
+class CepeForCausalLM(nn.Module):
+    """A decoder-only LM extended with CEPE.
+
+    The decoder's own parameters are frozen; only ``encoder.*`` and ``*.cross_attn.*`` train. The state
+    dict uses the released checkpoints' names (``model.layers.{i}.cross_attn.*``, ``encoder.*``).
+    """
+
+    def __init__(self, decoder: nn.Module, cepe_config: CepeConfig) -> None:
+        super().__init__()
+        cepe_config.decoder_vocab_size = int(decoder.config.vocab_size)
+        cepe_config.validate()
+        self.cepe_config = cepe_config
+        for p in decoder.parameters():
+            p.requires_grad_(False)
+        self._slot = ContextSlot()
+        n_layers = len(decoder_layers(decoder))
+        self.cross_layers = cepe_config.layer_indices(n_layers)
+        attach_cross_attention(decoder, self.cross_layers, cepe_config.encoder.hidden_size, self._slot)
+        # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
+        # the released layout: the decoder's submodules are this module's submodules.
+        self.decoder = decoder
+        p = next(decoder.parameters())
+        self.encoder = ContextEncoder(cepe_config.encoder, cepe_config.attn_implementation).to(p.device)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_decoder(
+        cls,
+        decoder: nn.Module | str | os.PathLike[str],
+        cepe_config: CepeConfig | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> CepeForCausalLM:
+        """Wrap a decoder (a loaded HF model, a hub id, a local dir, or ``"default"``).
+
+        With no ``cepe_config``, the encoder is sized from the decoder (about a quarter of its width,
+        see :func:`cepe.config.default_encoder_config`). Cross-attention q/k/v are copied from each
+        layer's self-attention and o_proj is zero (``init_mode="zero"``) or copied (``"copy"``).
+        """
+        name = None
+        if not isinstance(decoder, nn.Module):
+            from .assets import load_decoder_model
+
+            name = str(decoder)
+            decoder = load_decoder_model(name, dtype=dtype)
+        if cepe_config is None:
+            cepe_config = CepeConfig(encoder=default_encoder_config(decoder.config))
+        if cepe_config.decoder_name_or_path is None:
+            cepe_config.decoder_name_or_path = name or getattr(decoder.config, "_name_or_path", None) or None
+        model = cls(decoder, cepe_config)
+        model.init_cross_attention(cepe_config.init_mode)
+        return model
+
+    @torch.no_grad()
+    def init_cross_attention(self, mode: str = "zero") -> None:
+        """(Re-)initialise every cross-attention from its layer's self-attention (see CrossAttention)."""
+        layers = decoder_layers(self.decoder)
+        for i in self.cross_layers:
+            layers[i].cross_attn.layernorm.weight.fill_(1.0)
+            layers[i].cross_attn.init_from_self_attention(layers[i].self_attn, mode)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self):
+        """The decoder's HF config (generation and tooling read it)."""
+        return self.decoder.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.decoder.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.decoder.parameters()).dtype
+
+    def cross_attention_modules(self) -> list[nn.Module]:
+        layers = decoder_layers(self.decoder)
+        return [layers[i].cross_attn for i in self.cross_layers]
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``)."""
+        out = {f"encoder.{k}": v for k, v in self.encoder.state_dict().items()}
+        for k, v in self.decoder.state_dict().items():
+            if ".cross_attn." in k:
+                out[k] = v
+        return out
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters with ``requires_grad``: exactly the encoder's and the cross-attention's."""
+        return (p for p in self.parameters() if p.requires_grad)
+
+    def train(self, mode: bool = True) -> CepeForCausalLM:
+        """Train mode for the added modules; the frozen decoder stays in eval mode (no dropout)."""
+        super().train(mode)
+        self.decoder.eval()
+        for m in self.cross_attention_modules():
+            m.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ context
+    def encode_context(
+        self, encoder_input_ids: torch.Tensor, encoder_attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode chunks ``(B, K, L)`` into Φ ``(B, S, D_enc)`` and a key mask ``(B, S)`` (bool)."""
+        self._check_encoder_inputs(encoder_input_ids, encoder_attention_mask)
+        return self.encoder.encode_chunks(
+            encoder_input_ids, encoder_attention_mask, micro_batch=self.cepe_config.encoder_micro_batch
+        )
+
+    def prepare_context(
+        self,
+        encoder_input_ids: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        cross_attention_cache: str | None = None,
+    ) -> CrossContext | None:
+        """Build the :class:`CrossContext` that cross-attention reads: encodes the chunks once.
+
+        Args:
+            encoder_input_ids: ``(B, K, L)`` chunk token ids.
+            encoder_attention_mask: ``(B, K, L)`` (or ``(B, S)`` with precomputed states), True on real tokens.
+            encoder_hidden_states: precomputed Φ ``(B, S, D_enc)`` instead of ``encoder_input_ids``.
+            cross_attention_cache: ``"kv" | "states" | "absorbed"`` (default: the config's).
+
+        Returns:
+            The context, or None when no context was given (the model is then exactly the decoder).
+        """
+        mode = cross_attention_cache or self.cepe_config.cross_attention_cache
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cross_attention_cache must be one of {CACHE_MODES}, got {mode!r}")
+        if encoder_hidden_states is not None:
+            if encoder_input_ids is not None:
+                raise ValueError("give encoder_input_ids or encoder_hidden_states, not both")
+            states = encoder_hidden_states
+            if states.dim() != 3 or states.shape[-1] != self.cepe_config.encoder.hidden_size:
+                raise ValueError(
+                    f"encoder_hidden_states must be (B, S, {self.cepe_config.encoder.hidden_size}), "
+                    f"got {tuple(states.shape)}"
+                )
+            mask = None
+            if encoder_attention_mask is not None:
+                mask = encoder_attention_mask.reshape(states.shape[0], -1).bool()
+                if mask.shape[1] != states.shape[1]:
+                    raise ValueError(
+                        f"encoder_attention_mask covers {mask.shape[1]} positions, states have {states.shape[1]}"
+                    )
+        elif encoder_input_ids is not None:
+            states, mask = self.encode_context(encoder_input_ids, encoder_attention_mask)
+        else:
+            return None
+        if mask is None:
+            mask = torch.ones(states.shape[:2], dtype=torch.bool, device=states.device)
+        counts = mask.sum(-1)  # (B,) real context tokens per example
+        if self.cepe_config.pack_keys:
+            states, mask = pack_keys(states, mask, counts)
+        has = counts > 0
+        if not bool(has.any()):
+            return None  # fully padded context: exactly the decoder
+        has_context = None
+        if not bool(has.all()):
+            has_context = has.to(states.dtype)[:, None, None]
+            mask = mask | ~has[:, None]  # keep softmax finite; the output is zeroed by has_context
+        q_scale = None
+        if self.cepe_config.score_scaling != "none":
+            scales = [self.cepe_config.score_scale(float(c)) for c in counts.tolist()]
+            q_scale = torch.tensor(scales, dtype=torch.float32, device=states.device)[:, None, None, None]
+        if bool(mask.all()):
+            mask = None
+        return CrossContext(
+            states=states.to(self.dtype) if not torch.is_autocast_enabled(states.device.type) else states,
+            key_mask=mask,
+            mode=mode,
+            impl=self.cepe_config.attn_implementation,
+            q_scale=q_scale,
+            has_context=has_context,
+        )
+
+    @contextlib.contextmanager
+    def use_context(self, ctx: CrossContext | None) -> Iterator[None]:
+        """Run decoder calls inside this block with cross-attention reading ``ctx``."""
+        prev = self._slot.ctx
+        self._slot.set(ctx)
+        try:
+            yield
+        finally:
+            self._slot.set(prev)
+
+    # ------------------------------------------------------------------ forward / generate
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_input_ids: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cross_context: CrossContext | None = None,
+        logits_to_keep: int = 0,
+        return_logits: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Run the decoder with cross-attention to the encoded context.
+
+        Args:
+            input_ids: decoder tokens ``(B, T)``.
+            attention_mask: decoder padding mask ``(B, T)``.
+            encoder_input_ids: context chunks ``(B, K, L)``; examples may have different numbers of real
+                chunks (all-padding chunks contribute nothing).
+            encoder_attention_mask: ``(B, K, L)``, True on real context tokens.
+            encoder_hidden_states: precomputed Φ ``(B, S, D_enc)`` instead of ``encoder_input_ids``.
+            labels: ``(B, T)``; position t is predicted from positions < t (HF shift), -100 ignored. The
+                loss is a mean fp32 cross-entropy computed from the logits of supervised positions only.
+            cross_context: a context from :meth:`prepare_context` (reused across incremental calls).
+            logits_to_keep: as in HF: keep only the last N positions' logits (0 = all).
+            return_logits: with labels, also return full ``(B, T, V)`` logits (default False).
+            **kwargs: passed to the decoder (``past_key_values``, ``use_cache``, ``position_ids``...).
+
+        Returns:
+            ``CausalLMOutputWithPast`` with ``loss`` (if labels), ``logits`` and ``past_key_values``.
+        """
+        self._check_decoder_inputs(input_ids, labels)
+        ctx = cross_context
+        if ctx is None:
+            ctx = self.prepare_context(encoder_input_ids, encoder_attention_mask, encoder_hidden_states)
+        elif encoder_input_ids is not None or encoder_hidden_states is not None:
+            raise ValueError("give cross_context or encoder inputs, not both")
+        with self.use_context(ctx):
+            if labels is None:
+                return self.decoder(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    logits_to_keep=logits_to_keep,
+                    **kwargs,
+                )
+            base = self.decoder.get_decoder()
+            out = base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = out.last_hidden_state  # (B, T, D_dec)
+        shift_labels = labels[:, 1:]
+        sel = shift_labels != -100
+        logits_sel = self.lm_logits(hidden[:, :-1][sel])  # (N, V): only supervised positions
+        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel])
+        logits = self.lm_logits(hidden) if return_logits else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder's output head on hidden states ``(..., D_dec)`` -> ``(..., V)`` (with soft-capping
+        for families that use it)."""
+        logits = self.decoder.get_output_embeddings()(hidden)
+        cap = getattr(self.decoder.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_input_ids: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        cross_attention_cache: str | None = None,
+        **generate_kwargs: Any,
+    ) -> torch.Tensor:
+        """HF ``generate`` with the context encoded once per call.
+
+        ``cross_attention_cache`` picks ``"kv"`` (K/V projected once and cached per layer), ``"states"``
+        (Φ only, re-projected every step) or ``"absorbed"`` (Φ only, projections folded); all give the
+        same tokens up to floating-point rounding.
+
+        Returns:
+            ``(B, T + new)`` token ids (as the decoder's ``generate``).
+        """
+        self._check_decoder_inputs(input_ids, None)
+        ctx = self.prepare_context(
+            encoder_input_ids, encoder_attention_mask, encoder_hidden_states, cross_attention_cache
+        )
+        with self.use_context(ctx):
+            return self.decoder.generate(
+                input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs
+            )
+
+    # ------------------------------------------------------------------ validation
+    def _check_decoder_inputs(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+        if input_ids is None:
+            return
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        vocab = int(self.decoder.config.vocab_size)
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(
+                f"input_ids contain ids outside the decoder vocabulary [0, {vocab}): "
+                f"min {int(input_ids.min())}, max {int(input_ids.max())}; tokenize with the decoder's tokenizer"
+            )
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+
+    def _check_encoder_inputs(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+        if ids.dim() != 3:
+            raise ValueError(
+                f"encoder_input_ids must be (B, K, L) chunks, got shape {tuple(ids.shape)}; "
+                "split a sequence with cepe.chunking.chunk_ids and batch with collate_chunks"
+            )
+        if ids.shape[1] == 0 or ids.shape[2] == 0:
+            raise ValueError(
+                f"encoder_input_ids has empty chunks (shape {tuple(ids.shape)}); pass no encoder inputs "
+                "for no context, or all-padding chunks with encoder_attention_mask"
+            )
+        if mask is not None and mask.shape != ids.shape:
+            raise ValueError(
+                f"encoder_attention_mask {tuple(mask.shape)} must match encoder_input_ids {tuple(ids.shape)}"
+            )
+        vocab = self.cepe_config.encoder.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(
+                f"encoder_input_ids contain ids outside the encoder vocabulary [0, {vocab}): "
+                f"min {int(ids.min())}, max {int(ids.max())}"
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
+        """Write only the added weights (``adapter_model.safetensors``) and ``cepe_config.json``.
+
+        Files are written into a temporary directory and moved into place, so a crash never leaves a
+        half-written adapter.
+        """
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
+        try:
+            tensors = {k: v.detach().contiguous() for k, v in self.adapter_state_dict().items()}
+            save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt", "cepe": "adapter"})
+            self.cepe_config.save(tmp / ADAPTER_CONFIG)
+            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+                os.replace(tmp / name, out / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load_adapter_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load added weights strictly: missing, unexpected or mis-shaped keys raise ``ValueError``."""
+        expected = self.adapter_state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        shapes = [
+            f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+            for k in sorted(set(state) & set(expected))
+            if tuple(state[k].shape) != tuple(expected[k].shape)
+        ]
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if shapes:
+            problems.append("mismatched shapes " + "; ".join(shapes[:8]))
+        if problems:
+            raise ValueError("cannot load CEPE weights: " + " | ".join(problems))
+        with torch.no_grad():
+            for k, t in expected.items():
+                t.copy_(state[k].to(dtype=t.dtype, device=t.device))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        decoder: nn.Module | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> CepeForCausalLM:
+        """Load an adapter directory (``cepe_config.json`` + ``adapter_model.safetensors``) onto its
+        decoder, or a directory in the released layout (``config.json`` with ``LlamaForCausalContextLM``).
+
+        Args:
+            path: the directory.
+            decoder: the base decoder (model, hub id or dir); default: the one named in the config.
+            dtype: dtype to load the decoder in (default fp32).
+        """
+        path = Path(path)
+        if (path / ADAPTER_CONFIG).exists():
+            cfg = CepeConfig.load(path / ADAPTER_CONFIG)
+            if decoder is None:
+                if not cfg.decoder_name_or_path:
+                    raise ValueError(f"{path / ADAPTER_CONFIG} names no decoder; pass decoder=...")
+                decoder = cfg.decoder_name_or_path
+            model = cls.from_decoder(decoder, cfg, dtype=dtype)
+            model.load_adapter_state_dict(load_file(path / ADAPTER_WEIGHTS))
+            return model
+        config_file = path / "config.json"
+        if config_file.exists():
+            with open(config_file) as f:
+                raw = json.load(f)
+            if "encoder_config" in raw or "LlamaForCausalContextLM" in raw.get("architectures", []):
+                from .official import load_official
+
+                return load_official(path, decoder=decoder, dtype=dtype)
+        raise FileNotFoundError(
+            f"{path} holds neither a cepe adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) nor a released "
+            "CEPE checkpoint (config.json with encoder_config)"
+        )
+
+
+def pack_keys(
+    states: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each example's real encoder positions to the front and drop trailing all-padding columns.
+
+    Cross-attention carries no position, so key order is irrelevant; packing removes padded keys.
+
+    Args:
+        states: Φ ``(B, S, D_enc)``; mask: ``(B, S)`` bool; counts: ``(B,)`` real positions per example.
+
+    Returns:
+        ``(states, mask)`` with S' = max(counts).
+    """
+    b, s, _ = states.shape
+    smax = int(counts.max()) if b else 0
+    if smax == s:
+        return states, mask
+    if b == 1:
+        idx = mask[0].nonzero().flatten()
+        return states[:, idx], mask[:, idx]
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :smax]  # real positions first
+    states = torch.gather(states, 1, order[..., None].expand(-1, -1, states.shape[-1]))
+    mask = torch.gather(mask, 1, order)
+    return states, mask

@@ -1,0 +1,153 @@
+"""Inserting cross-attention into an existing Hugging Face decoder without copying its modeling code.
+
+Every supported decoder layer has the shape ``h = h + branch(...)`` for its self-attention block,
+followed by the MLP block. CEPE needs ``h' = (h + branch) + cross_attn(h + branch)`` before the MLP.
+Two hooks give exactly that while leaving the layer's code and weight names untouched:
+
+1. a forward pre-hook on the layer's first norm (``input_layernorm``) records the residual stream ``h``;
+2. a forward hook on the branch module (the self-attention, or for Gemma 2/3 the norm applied to its
+   output) returns ``branch + cross_attn(h + branch)``, which the layer adds to ``h``.
+
+The cross-attention module is registered as ``layers.{i}.cross_attn``, the name the released
+checkpoints use. A new decoder family costs one :class:`DecoderFamily` entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .cross_attention import CrossAttention, CrossContext
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """Where CEPE hooks into one decoder family.
+
+    Attributes:
+        layers: attribute path from the ``*ForCausalLM`` model to its list of decoder layers.
+        residual_tap: module of each layer whose input is the residual stream before self-attention.
+        branch: module whose output is added to the residual stream right after self-attention.
+    """
+
+    layers: str = "model.layers"
+    residual_tap: str = "input_layernorm"
+    branch: str = "self_attn"
+
+
+_LLAMA_LIKE = DecoderFamily()
+_GEMMA_LIKE = DecoderFamily(branch="post_attention_layernorm")
+
+FAMILIES: dict[str, DecoderFamily] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "mixtral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "gemma": _LLAMA_LIKE,
+    "gemma2": _GEMMA_LIKE,
+    "gemma3_text": _GEMMA_LIKE,
+}
+
+
+def register_family(model_type: str, family: DecoderFamily) -> None:
+    """Teach cepe a new decoder family (``config.model_type``)."""
+    FAMILIES[model_type] = family
+
+
+def _get(obj: nn.Module, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def family_of(decoder: nn.Module) -> DecoderFamily:
+    """The hook points of ``decoder``; raises ``ValueError`` for an unknown layer layout."""
+    model_type = getattr(decoder.config, "model_type", None)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    raise ValueError(
+        f"decoder family {model_type!r} is not registered; supported: {sorted(FAMILIES)}. If its layers "
+        "look like Llama's (input_layernorm -> self_attn -> residual add -> MLP), call "
+        "cepe.wrapping.register_family(model_type, DecoderFamily()) first."
+    )
+
+
+def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
+    """The decoder's list of transformer layers."""
+    return _get(decoder, family_of(decoder).layers)
+
+
+class ContextSlot:
+    """Holds the :class:`CrossContext` of the running call; shared by all cross-attention layers."""
+
+    def __init__(self) -> None:
+        self.ctx: CrossContext | None = None
+        self._expanded: dict[int, CrossContext] = {}
+
+    def set(self, ctx: CrossContext | None) -> None:
+        self.ctx = ctx
+        self._expanded = {}
+
+    def get(self, batch: int) -> CrossContext | None:
+        """The context for a decoder batch of ``batch`` rows (repeated once for beams/samples)."""
+        if self.ctx is None or batch == self.ctx.batch_size:
+            return self.ctx
+        if batch not in self._expanded:
+            self._expanded[batch] = self.ctx.expand(batch)
+        return self._expanded[batch]
+
+
+def attach_cross_attention(
+    decoder: nn.Module, layer_indices: list[int], encoder_hidden: int, slot: ContextSlot
+) -> list[CrossAttention]:
+    """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
+
+    Returns:
+        The new modules, in layer order.
+    """
+    family = family_of(decoder)
+    cfg = decoder.config
+    layers = _get(decoder, family.layers)
+    num_heads = int(cfg.num_attention_heads)
+    num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+    eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+    added = []
+    for i in layer_indices:
+        layer = layers[i]
+        if hasattr(layer, "cross_attn"):
+            raise ValueError(f"decoder layer {i} already has cross-attention; wrap a fresh decoder")
+        cross = CrossAttention(cfg.hidden_size, encoder_hidden, num_heads, num_kv, head_dim, eps, layer_idx=i)
+        p = next(decoder.parameters())
+        cross.to(device=p.device, dtype=p.dtype)
+        layer.cross_attn = cross
+        _get(layer, family.residual_tap).register_forward_pre_hook(_make_tap(cross), with_kwargs=True)
+        _get(layer, family.branch).register_forward_hook(_make_add(cross, slot), with_kwargs=True)
+        added.append(cross)
+    return added
+
+
+def _make_tap(cross: CrossAttention):
+    def tap(module, args, kwargs):
+        cross._residual = args[0] if args else kwargs["hidden_states"]
+
+    return tap
+
+
+def _make_add(cross: CrossAttention, slot: ContextSlot):
+    def add(module, args, kwargs, output):
+        residual = cross.__dict__.pop("_residual", None)
+        is_tuple = isinstance(output, tuple)
+        branch = output[0] if is_tuple else output
+        ctx = slot.get(branch.shape[0])
+        if ctx is None:
+            return None  # no context: the layer is exactly the decoder's
+        if residual is None:
+            raise RuntimeError("cepe: the residual stream was not recorded before cross-attention")
+        update = cross(residual + branch, ctx)
+        branch = branch + update
+        return (branch, *output[1:]) if is_tuple else branch
+
+    return add

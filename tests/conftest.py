@@ -1,0 +1,67 @@
+"""Shared tiny random models for the tests (CPU, seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
+
+VOCAB = 97
+
+
+def tiny_decoder(family: str = "llama", seed: int = 0, **overrides):
+    """A 2-layer random decoder of the given family (fp32, eval mode)."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if family in ("gemma2", "gemma3_text", "qwen3"):
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    if family == "llama":
+        cfg = LlamaConfig(**kw)
+        return LlamaForCausalLM(cfg).eval()
+    cfg = AutoConfig.for_model(family, **kw)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def tiny_cepe_config(**overrides) -> CepeConfig:
+    enc = EncoderConfig(
+        vocab_size=VOCAB + 1, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mask_token_id=VOCAB
+    )
+    kw = dict(encoder=enc, chunk_length=8)
+    kw.update(overrides)
+    return CepeConfig(**kw)
+
+
+def randomize_cross(model: CepeForCausalLM, seed: int = 1, std: float = 0.2) -> None:
+    """Give every cross-attention non-trivial weights (o_proj is zero after init)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if p.dim() == 1 else 0.0))
+
+
+@pytest.fixture
+def tiny_model() -> CepeForCausalLM:
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+    randomize_cross(model)
+    return model
+
+
+def random_context(b: int, k: int, length: int = 8, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, k, length), generator=g)
+    mask = torch.ones(b, k, length, dtype=torch.bool)
+    return ids, mask

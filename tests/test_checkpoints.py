@@ -1,0 +1,179 @@
+"""Adapter save/load, the released checkpoint layout, and refusal of bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+from safetensors.torch import load_file, save_file
+
+from cepe import CepeForCausalLM
+from cepe.modeling import ADAPTER_WEIGHTS
+
+
+def _expected_keys(model: CepeForCausalLM) -> set[str]:
+    keys = {f"encoder.{k}" for k in model.encoder.state_dict()}
+    for i in model.cross_layers:
+        for name in ("layernorm.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"):
+            keys.add(f"model.layers.{i}.cross_attn.{name}")
+    return keys
+
+
+def test_save_load_round_trip(tmp_path):
+    dec_dir = tmp_path / "decoder"
+    tiny_decoder().save_pretrained(dec_dir)
+    model = CepeForCausalLM.from_decoder(str(dec_dir), tiny_cepe_config()).eval()
+    randomize_cross(model)
+    model.save_pretrained(tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    assert set(saved) == _expected_keys(model)
+    assert not any(
+        k.startswith("model.embed_tokens") or ".mlp." in k and not k.startswith("encoder.") for k in saved
+    )
+    cfg = json.loads((tmp_path / "adapter" / "cepe_config.json").read_text())
+    assert cfg["decoder_name_or_path"] == str(dec_dir)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path / "adapter").eval()  # decoder from the config
+    ids = torch.randint(0, VOCAB, (2, 9))
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        b = loaded(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(a, b)
+    assert not list((tmp_path / "adapter").glob(".tmp-*"))
+
+
+def test_load_refuses_bad_adapters(tmp_path):
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / ADAPTER_WEIGHTS)
+    bad = dict(state)
+    bad.pop("model.layers.0.cross_attn.q_proj.weight")
+    bad["encoder.extra.weight"] = torch.zeros(1)
+    bad["encoder.norm.weight"] = torch.zeros(7)
+    with pytest.raises(ValueError) as err:
+        model.load_adapter_state_dict(bad)
+    msg = str(err.value)
+    assert (
+        "model.layers.0.cross_attn.q_proj.weight" in msg
+        and "encoder.extra.weight" in msg
+        and "encoder.norm.weight" in msg
+    )
+    with pytest.raises(FileNotFoundError, match="neither a cepe adapter"):
+        CepeForCausalLM.from_pretrained(tmp_path / "nothing")
+
+
+def _write_official(tmp_path, fmt: str):
+    """A released-layout checkpoint written from the documented names with random weights."""
+    dec = tiny_decoder(seed=5)
+    enc_hidden, n_cross = 32, 2
+    g = torch.Generator().manual_seed(7)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    d, hd, heads, kv = 64, 16, 4, 2
+    for i in range(3 - n_cross, 3):
+        p = f"model.layers.{i}.cross_attn."
+        state[p + "q_proj.weight"] = torch.randn(heads * hd, d, generator=g) * 0.1
+        state[p + "k_proj.weight"] = torch.randn(kv * hd, enc_hidden, generator=g) * 0.1
+        state[p + "v_proj.weight"] = torch.randn(kv * hd, enc_hidden, generator=g) * 0.1
+        state[p + "o_proj.weight"] = torch.randn(d, heads * hd, generator=g) * 0.1
+        state[p + "layernorm.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+    enc_inter = 48
+    state["encoder.embed_tokens.weight"] = torch.randn(VOCAB, enc_hidden, generator=g) * 0.1
+    state["encoder.norm.weight"] = torch.ones(enc_hidden)
+    for j in range(2):
+        p = f"encoder.layers.{j}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            state[p + f"self_attn.{n}.weight"] = torch.randn(enc_hidden, enc_hidden, generator=g) * 0.1
+        state[p + "mlp.gate_proj.weight"] = torch.randn(enc_inter, enc_hidden, generator=g) * 0.1
+        state[p + "mlp.up_proj.weight"] = torch.randn(enc_inter, enc_hidden, generator=g) * 0.1
+        state[p + "mlp.down_proj.weight"] = torch.randn(enc_hidden, enc_inter, generator=g) * 0.1
+        state[p + "input_layernorm.weight"] = torch.ones(enc_hidden)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(enc_hidden)
+    config = dec.config.to_dict()
+    config.update(
+        architectures=["LlamaForCausalContextLM"],
+        is_decoder=True,
+        do_cross_attention=True,
+        num_cross_attn_layers=n_cross,
+        num_cross_attn_hidden_states=1,
+        encoder_is_model=False,
+        train_encoder=True,
+        encoder_hidden_size=enc_hidden,
+        encode_mode="context_only",
+        train_batch_mode="none",
+        offload_hidden_states=False,
+        lm_loss_cof=1.0,
+        encoder_config={
+            "model_type": "llama",
+            "is_decoder": False,
+            "vocab_size": VOCAB,
+            "hidden_size": enc_hidden,
+            "intermediate_size": enc_inter,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+        },
+    )
+    out = tmp_path / "official"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    if fmt == "bin":
+        torch.save(state, out / "pytorch_model.bin")
+    elif fmt == "sharded-bin":
+        keys = sorted(state)
+        half = len(keys) // 2
+        parts = {
+            "pytorch_model-00001-of-00002.bin": keys[:half],
+            "pytorch_model-00002-of-00002.bin": keys[half:],
+        }
+        for name, ks in parts.items():
+            torch.save({k: state[k] for k in ks}, out / name)
+        index = {"weight_map": {k: name for name, ks in parts.items() for k in ks}}
+        (out / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    else:
+        save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors")
+    return out, state, dec
+
+
+@pytest.mark.parametrize("fmt", ["bin", "sharded-bin", "safetensors"])
+def test_official_layout_load(tmp_path, fmt):
+    path, state, dec = _write_official(tmp_path, fmt)
+    model = CepeForCausalLM.from_pretrained(path)
+    assert model.cross_layers == [1, 2]
+    for k, v in model.adapter_state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for k, v in model.decoder.state_dict().items():
+        if ".cross_attn." not in k:
+            assert torch.equal(v, state[k]), k
+    ids = torch.randint(0, VOCAB, (1, 7))
+    enc_ids, enc_mask = random_context(1, 2)
+    with torch.no_grad():
+        out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        ref = dec(ids).logits
+    assert (out - ref).abs().max() > 1e-4  # the context is used
+    assert torch.isfinite(out).all()
+
+
+def test_official_layout_refuses_bad_shapes(tmp_path):
+    path, state, _ = _write_official(tmp_path, "safetensors")
+    state["model.layers.2.cross_attn.k_proj.weight"] = torch.zeros(3, 3)
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    with pytest.raises(ValueError, match="mismatched shapes.*model.layers.2.cross_attn.k_proj.weight"):
+        CepeForCausalLM.from_pretrained(path)
+
+
+def test_pickles_load_weights_only(tmp_path, monkeypatch):
+    path, _, _ = _write_official(tmp_path, "bin")
+    seen = {}
+    real = torch.load
+
+    def spy(*args, **kwargs):
+        seen["weights_only"] = kwargs.get("weights_only")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    CepeForCausalLM.from_pretrained(path)
+    assert seen["weights_only"] is True

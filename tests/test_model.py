@@ -1,0 +1,443 @@
+"""Core model invariants, reference agreement, cache modes and input validation (tiny random configs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+from transformers import LlamaConfig, LlamaModel
+
+from cepe import CepeForCausalLM, EncoderConfig
+from cepe.encoder import ContextEncoder
+from cepe.layers import attention_ref, attention_sdpa
+from cepe.wrapping import decoder_layers
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+
+
+def _ids(b=2, t=11, seed=3):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- invariants
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_context_equals_decoder(family):
+    dec = tiny_decoder(family)
+    ids = _ids()
+    with torch.no_grad():
+        ref = dec(ids).logits
+        model = CepeForCausalLM.from_decoder(dec, tiny_cepe_config()).eval()
+        randomize_cross(model)
+        out = model(ids).logits
+    assert (out - ref).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_o_proj_equals_decoder_with_context(family):
+    dec = tiny_decoder(family)
+    ids = _ids()
+    with torch.no_grad():
+        ref = dec(ids).logits
+        model = CepeForCausalLM.from_decoder(dec, tiny_cepe_config(init_mode="zero")).eval()
+        enc_ids, enc_mask = random_context(2, 3)
+        out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(out, ref)
+
+
+def _reference_layer_check(model: CepeForCausalLM, ids, enc_ids, enc_mask, gemma: bool):
+    """Recompute every decoder layer in the released order from its recorded input and compare."""
+    records = []
+    layers = decoder_layers(model.decoder)
+
+    def pre(mod, args, kwargs):
+        records.append(
+            {"layer": mod, "input": args[0] if args else kwargs["hidden_states"], "kwargs": kwargs}
+        )
+
+    def post(mod, args, kwargs, output):
+        records[-1]["output"] = output[0] if isinstance(output, tuple) else output
+
+    handles = [lay.register_forward_pre_hook(pre, with_kwargs=True) for lay in layers]
+    handles += [lay.register_forward_hook(post, with_kwargs=True) for lay in layers]
+    with torch.no_grad():
+        states, key_mask = model.encode_context(enc_ids, enc_mask)
+        model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, use_cache=False)
+        for h in handles:
+            h.remove()
+        for rec in records:
+            lay, h_in = rec["layer"], rec["input"]
+            kwargs = {k: v for k, v in rec["kwargs"].items() if k != "hidden_states"}
+            with model.use_context(None):
+                a, _ = lay.self_attn(hidden_states=lay.input_layernorm(h_in), **kwargs)
+                h1 = h_in + (lay.post_attention_layernorm(a) if gemma else a)
+                h2 = h1 + _cross_ref(lay.cross_attn, h1, states, key_mask)
+                if gemma:
+                    out = h2 + lay.post_feedforward_layernorm(lay.mlp(lay.pre_feedforward_layernorm(h2)))
+                else:
+                    out = h2 + lay.mlp(lay.post_attention_layernorm(h2))
+            assert (out - rec["output"]).abs().max().item() < 1e-5
+
+
+def _cross_ref(cross, h, states, key_mask):
+    """The released computation written out: norm, projections, repeat KV, fp32 softmax, o_proj."""
+    b, t, _ = h.shape
+    hq = cross.layernorm(h)
+    q = (hq @ cross.q_proj.weight.T).view(b, t, cross.num_heads, cross.head_dim).transpose(1, 2)
+    k = (states @ cross.k_proj.weight.T).view(b, -1, cross.num_kv, cross.head_dim).transpose(1, 2)
+    v = (states @ cross.v_proj.weight.T).view(b, -1, cross.num_kv, cross.head_dim).transpose(1, 2)
+    rep = cross.num_heads // cross.num_kv
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(cross.head_dim)
+    scores = scores + torch.where(key_mask, 0.0, torch.finfo(scores.dtype).min)[:, None, None, :]
+    p = torch.softmax(scores.float(), -1).to(q.dtype)
+    return (p @ v).transpose(1, 2).reshape(b, t, -1) @ cross.o_proj.weight.T
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_compute_the_released_order(family):
+    model = CepeForCausalLM.from_decoder(tiny_decoder(family), tiny_cepe_config(pack_keys=False)).eval()
+    randomize_cross(model)
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[0, 2, 3:] = False
+    _reference_layer_check(model, _ids(), enc_ids, enc_mask, gemma=family.startswith("gemma"))
+
+
+def test_context_changes_output(tiny_model):
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        a = tiny_model(ids).logits
+        b = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_chunk_permutation_invariance(tiny_model):
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 4)
+    enc_mask[1, 3, 5:] = False
+    perm = torch.tensor([2, 0, 3, 1])
+    with torch.no_grad():
+        a = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        b = tiny_model(
+            ids, encoder_input_ids=enc_ids[:, perm], encoder_attention_mask=enc_mask[:, perm]
+        ).logits
+    assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_padding_chunk_changes_nothing(pack):
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(pack_keys=pack)).eval()
+    randomize_cross(model)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    pad_ids = torch.cat([enc_ids, torch.randint(0, VOCAB, (2, 1, 8))], 1)
+    pad_mask = torch.cat([enc_mask, torch.zeros(2, 1, 8, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        b = model(ids, encoder_input_ids=pad_ids, encoder_attention_mask=pad_mask).logits
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_batch_equals_single_with_different_chunk_counts(tiny_model):
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 4)
+    enc_mask[1, 2:] = False  # example 1 has only 2 real chunks
+    enc_mask[1, 1, 6:] = False
+    with torch.no_grad():
+        both = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        a = tiny_model(ids[:1], encoder_input_ids=enc_ids[:1], encoder_attention_mask=enc_mask[:1]).logits
+        b = tiny_model(
+            ids[1:], encoder_input_ids=enc_ids[1:, :2], encoder_attention_mask=enc_mask[1:, :2]
+        ).logits
+    assert (both[0] - a[0]).abs().max().item() < 1e-5
+    assert (both[1] - b[0]).abs().max().item() < 1e-5
+
+
+def test_fully_padded_context_is_exactly_decoder(tiny_model):
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        ref = tiny_model(ids).logits
+        enc_mask[1] = False  # example 1: no real context token
+        out = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[1], ref[1])
+        enc_mask[:] = False
+        out = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(out, ref)
+
+
+def test_fully_padded_example_has_finite_gradients():
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).train()
+    randomize_cross(model)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1] = False
+    loss = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=ids).loss
+    loss.backward()
+    for p in model.trainable_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all()
+
+
+# ----------------------------------------------------------------------------- reference paths
+def test_attention_kernels_agree():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(3, 6, 5, 8, generator=g),
+        torch.randn(3, 2, 9, 8, generator=g),
+        torch.randn(3, 2, 9, 8, generator=g),
+    )
+    mask = torch.rand(3, 9, generator=g) > 0.3
+    mask[:, 0] = True
+    for m in (None, mask):
+        a, b = attention_ref(q, k, v, m, 0.3), attention_sdpa(q, k, v, m, 0.3)
+        assert (a - b).abs().max().item() < 1e-5
+
+
+def test_encoder_matches_bidirectional_llama():
+    torch.manual_seed(0)
+    ec = EncoderConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+    )
+    enc = ContextEncoder(ec).eval()
+    lc = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=ec.intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        attn_implementation="eager",
+    )
+    hf = LlamaModel(lc).eval()
+    hf.load_state_dict(enc.state_dict(), strict=True)
+    ids = torch.randint(0, 50, (3, 7))
+    m = torch.ones(3, 7, dtype=torch.bool)
+    m[1, 4:] = False
+    mask4 = torch.zeros(3, 1, 7, 7).masked_fill(~m[:, None, None, :], torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask4).last_hidden_state
+        for impl in ("eager", "sdpa"):
+            enc.attn_implementation = impl
+            assert (enc(ids, m) - ref)[m].abs().max().item() < 1e-5
+
+
+def test_micro_batched_encoding_matches_one_call():
+    torch.manual_seed(0)
+    enc = ContextEncoder(
+        EncoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).eval()
+    ids = torch.randint(0, 50, (2, 5, 6))
+    mask = torch.ones(2, 5, 6, dtype=torch.bool)
+    mask[0, 4] = False
+    mask[1, 1, 2:] = False
+    with torch.no_grad():
+        a, ma = enc.encode_chunks(ids, mask, micro_batch=100)
+        b, mb = enc.encode_chunks(ids, mask, micro_batch=3)
+        direct = enc(ids.view(10, 6), mask.view(10, 6)).view(2, 30, -1)
+    assert torch.equal(ma, mb)
+    assert (a - b).abs().max().item() < 1e-6
+    assert (a[ma] - direct[ma]).abs().max().item() < 1e-5
+    assert a[~ma].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_eager_and_sdpa_models_agree(family):
+    dec = tiny_decoder(family)
+    model = CepeForCausalLM.from_decoder(dec, tiny_cepe_config()).eval()
+    randomize_cross(model)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[0, 1, 4:] = False
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        model.cepe_config.attn_implementation = "eager"
+        model.encoder.attn_implementation = "eager"
+        b = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_packed_keys_match_unpacked():
+    dec = tiny_decoder()
+    model = CepeForCausalLM.from_decoder(dec, tiny_cepe_config(pack_keys=True)).eval()
+    randomize_cross(model)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 4)
+    enc_mask[0, 1, 3:] = False
+    enc_mask[1, 2:] = False
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        model.cepe_config.pack_keys = False
+        b = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_cache_modes_agree(impl):
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(attn_implementation=impl)).eval()
+    randomize_cross(model)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2] = False
+    outs, logits = {}, {}
+    for mode in ("kv", "states", "absorbed"):
+        outs[mode] = model.generate(
+            ids,
+            encoder_input_ids=enc_ids,
+            encoder_attention_mask=enc_mask,
+            max_new_tokens=6,
+            do_sample=False,
+            cross_attention_cache=mode,
+            pad_token_id=0,
+        )
+        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        with torch.no_grad():
+            logits[mode] = model(ids, cross_context=ctx).logits
+    assert torch.equal(outs["kv"], outs["states"]) and torch.equal(outs["kv"], outs["absorbed"])
+    assert (logits["kv"] - logits["states"]).abs().max().item() < 1e-4
+    assert (logits["kv"] - logits["absorbed"]).abs().max().item() < 1e-4
+
+
+def test_generate_without_context_equals_decoder(tiny_model):
+    ids = _ids(1)
+    a = tiny_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = tiny_model.decoder.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, ref)
+
+
+def test_kv_cache_is_built_once_per_layer(tiny_model):
+    ids = _ids(1)
+    enc_ids, enc_mask = random_context(1, 3)
+    ctx = tiny_model.prepare_context(enc_ids, enc_mask, cross_attention_cache="kv")
+    with torch.no_grad():
+        out = tiny_model(ids, cross_context=ctx, use_cache=True)
+        assert sorted(ctx.kv) == tiny_model.cross_layers
+        first = {i: kv[0].data_ptr() for i, kv in ctx.kv.items()}
+        nxt = out.logits[:, -1:].argmax(-1)
+        tiny_model(nxt, cross_context=ctx, past_key_values=out.past_key_values, use_cache=True)
+    assert {i: kv[0].data_ptr() for i, kv in ctx.kv.items()} == first
+
+
+def test_score_scaling_only_beyond_training_length():
+    from cepe import CepeConfig
+
+    cfg = CepeConfig(
+        encoder=EncoderConfig(vocab_size=10, hidden_size=8, num_attention_heads=2),
+        score_scaling="yarn",
+        train_context_tokens=100,
+    )
+    assert cfg.score_scale(50) == 1.0 and cfg.score_scale(100) == 1.0
+    assert cfg.score_scale(400) == pytest.approx((1 + 0.1 * math.log(4)) ** 2)
+    model = CepeForCausalLM.from_decoder(
+        tiny_decoder(), tiny_cepe_config(score_scaling="yarn", train_context_tokens=8)
+    ).eval()
+    randomize_cross(model)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids[:, :1], encoder_attention_mask=enc_mask[:, :1]).logits
+        b = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        model.cepe_config.score_scaling = "none"
+        a2 = model(ids, encoder_input_ids=enc_ids[:, :1], encoder_attention_mask=enc_mask[:, :1]).logits
+        b2 = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(a, a2)  # 8 tokens = training length: unscaled
+    assert (b - b2).abs().max() > 1e-4  # 24 tokens: scaled
+
+
+# ----------------------------------------------------------------------------- training surface
+def test_trainable_parameters_are_encoder_and_cross_attention(tiny_model):
+    names = {n for n, p in tiny_model.named_parameters() if p.requires_grad}
+    assert names and all(n.startswith("encoder.") or ".cross_attn." in n for n in names)
+    expected = {f"encoder.{n}" for n, _ in tiny_model.encoder.named_parameters()}
+    expected |= {n for n, _ in tiny_model.named_parameters() if ".cross_attn." in n}
+    assert names == expected
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    tiny_model.train()
+    loss = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is None for n, p in tiny_model.named_parameters() if n not in names)
+    assert tiny_model.encoder.embed_tokens.weight.grad is not None
+
+
+def test_loss_matches_full_logits_cross_entropy(tiny_model):
+    ids = _ids()
+    labels = ids.clone()
+    labels[0, :4] = -100
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        out = tiny_model(
+            ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=labels, return_logits=True
+        )
+        ref = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].reshape(-1, VOCAB).float(), labels[:, 1:].reshape(-1)
+        )
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    full = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (out.logits - full).abs().max().item() < 1e-5
+
+
+def test_copy_init_copies_self_attention():
+    dec = tiny_decoder()
+    model = CepeForCausalLM.from_decoder(dec, tiny_cepe_config(init_mode="copy"))
+    lay = decoder_layers(model.decoder)[1]
+    assert torch.equal(lay.cross_attn.q_proj.weight, lay.self_attn.q_proj.weight)
+    assert torch.equal(lay.cross_attn.k_proj.weight, lay.self_attn.k_proj.weight[:, :32])
+    assert torch.equal(lay.cross_attn.v_proj.weight, lay.self_attn.v_proj.weight[:, :32])
+    assert torch.equal(lay.cross_attn.o_proj.weight, lay.self_attn.o_proj.weight)
+    zero = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    assert decoder_layers(zero.decoder)[0].cross_attn.o_proj.weight.abs().max() == 0
+
+
+def test_last_n_layers_form():
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(num_cross_attn_layers=2))
+    assert model.cross_layers == [1, 2]
+    assert not hasattr(decoder_layers(model.decoder)[0], "cross_attn")
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(cross_attention_layers=[0, 2]))
+    assert model.cross_layers == [0, 2]
+
+
+def test_default_config_sized_from_decoder():
+    model = CepeForCausalLM.from_decoder(tiny_decoder(hidden_size=256, intermediate_size=256))
+    assert model.cepe_config.encoder.hidden_size == 64
+    assert model.cepe_config.encoder.vocab_size == VOCAB + 1
+
+
+# ----------------------------------------------------------------------------- validation
+def test_clear_errors(tiny_model):
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with pytest.raises(ValueError, match="outside the decoder vocabulary"):
+        tiny_model(ids + VOCAB)
+    with pytest.raises(ValueError, match="outside the encoder vocabulary"):
+        tiny_model(ids, encoder_input_ids=enc_ids + 2 * VOCAB, encoder_attention_mask=enc_mask)
+    with pytest.raises(ValueError, match=r"must be \(B, K, L\)"):
+        tiny_model(ids, encoder_input_ids=enc_ids[0])
+    with pytest.raises(ValueError, match=r"input_ids must be \(B, T\)"):
+        tiny_model(ids[0])
+    with pytest.raises(ValueError, match="empty chunks"):
+        tiny_model(ids, encoder_input_ids=enc_ids[:, :0])
+    with pytest.raises(ValueError, match="must match"):
+        tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask[:, :2])
+    with pytest.raises(ValueError, match="cross_attention_cache"):
+        tiny_model.generate(ids, encoder_input_ids=enc_ids, cross_attention_cache="bogus", max_new_tokens=1)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        CepeForCausalLM.from_decoder(
+            tiny_decoder(),
+            tiny_cepe_config(encoder=EncoderConfig(vocab_size=500, hidden_size=32, num_attention_heads=2)),
+        )
+    with pytest.raises(ValueError, match="not registered"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        CepeForCausalLM.from_decoder(
+            GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+        )
