@@ -1,0 +1,241 @@
+"""In-context learning (§6, App. C.2): classification by label likelihood.
+
+Each test input is scored with every label; the prediction maximises one of four scores (log-likelihood,
+length-normalised, calibrated with domain-conditional PMI against the empty string, both). Demonstrations
+are drawn from the training set balanced per label; ``decoder_demos`` (paper 2) precede the test input in
+the decoder and ``k'`` more go to the CEPE encoder, one per chunk. ``full`` puts all ``2 + k'`` in the
+decoder (the oracle), ``truncated`` only the 2, ``replug`` mixes one pass per encoder demonstration.
+
+Data: BBC News here; the PCW-style datasets (SST-2, AG News, TREC, ...) as JSONL/CSV/TSV with text and
+label columns (:func:`read_labelled`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cepe.eval.common import EvalSetup, iter_source, limit_items, run_examples
+from cepe.eval.methods import Request
+from cepe.eval.metrics import SCORING_VARIANTS, label_scores
+
+
+def read_labelled(
+    path: str | Path,
+    text_field: str = "text",
+    label_field: str = "label",
+    label_names: dict | list | None = None,
+) -> list[dict[str, str]]:
+    """Rows ``{"text", "label"}`` from JSONL, JSON list, CSV or TSV (with a header row).
+
+    ``label_names`` maps raw labels (e.g. ``0``/``1``) to verbalisers (``negative``/``positive``), as a
+    dict or a list indexed by the integer label.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"classification file {p} does not exist")
+    name = p.name.lower()
+    if name.endswith((".csv", ".tsv")):
+        with open(p, newline="", encoding="utf-8") as f:
+            raw = list(csv.DictReader(f, delimiter="\t" if name.endswith(".tsv") else ","))
+    else:
+        text = p.read_text(encoding="utf-8")
+        raw = (
+            json.loads(text)
+            if text.lstrip().startswith("[")
+            else [json.loads(x) for x in text.splitlines() if x.strip()]
+        )
+    rows = []
+    for i, r in enumerate(raw):
+        if text_field not in r or label_field not in r:
+            raise ValueError(
+                f"{p}: row {i} lacks {text_field!r} or {label_field!r} (fields: {sorted(r)}); set text_field / label_field"
+            )
+        label = r[label_field]
+        if label_names is not None:
+            label = (
+                label_names[int(label)]
+                if isinstance(label_names, list)
+                else label_names.get(label, label_names.get(str(label), label))
+            )
+        rows.append({"text": str(r[text_field]), "label": str(label)})
+    return rows
+
+
+def balanced_demos(train: list[dict[str, str]], count: int, seed: int) -> list[dict[str, str]]:
+    """``count`` demonstrations cycling through the labels (label order shuffled each round) so that every
+    prefix is balanced up to remainders; examples drawn without replacement."""
+    rng = random.Random(seed)
+    by_label: dict[str, list[dict[str, str]]] = {}
+    for r in train:
+        by_label.setdefault(r["label"], []).append(r)
+    for v in by_label.values():
+        rng.shuffle(v)
+    labels, out = sorted(by_label), []
+    while len(out) < count and any(by_label.values()):
+        order = labels[:]
+        rng.shuffle(order)
+        for lab in order:
+            if by_label[lab] and len(out) < count:
+                out.append(by_label[lab].pop())
+    return out
+
+
+@dataclass
+class Config:
+    """Settings (paper: 250 test examples, 2 + {18, 38} demonstrations, 3 seeds).
+
+    Attributes:
+        train_path / test_path: labelled files; None = BBC News split by document hash.
+        text_field, label_field, label_names: columns and verbalisers.
+        template: one example, with ``{text}`` and ``{label}``; examples joined by ``separator``.
+        max_text_tokens: truncate each input text (so a demonstration fits one encoder chunk).
+        decoder_demos, encoder_demos: 2 and the list of k'.
+        test_size, seeds.
+        scoring: ``auto`` (the variant best for ``truncated``, as in the paper) or one of ll, ll_norm,
+            pmi, pmi_norm.
+    """
+
+    train_path: str | None = None
+    test_path: str | None = None
+    text_field: str = "text"
+    label_field: str = "label"
+    label_names: dict | list | None = None
+    source: dict[str, Any] = field(default_factory=lambda: {"corpus": "bbc"})
+    test_fraction: float = 0.2
+    template: str = "Article: {text}\nTopic: {label}"
+    separator: str = "\n\n"
+    max_text_tokens: int = 200
+    decoder_demos: int = 2
+    encoder_demos: list[int] = field(default_factory=lambda: [18, 38])
+    test_size: int = 250
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    scoring: str = "auto"
+
+
+def _load(cfg: Config) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    if cfg.train_path and cfg.test_path:
+        kw = {"text_field": cfg.text_field, "label_field": cfg.label_field, "label_names": cfg.label_names}
+        return read_labelled(cfg.train_path, **kw), read_labelled(cfg.test_path, **kw)
+    if cfg.train_path or cfg.test_path:
+        raise ValueError("give both train_path and test_path, or neither (bundled BBC News)")
+    from cepe.data.split import doc_hash
+
+    train, test = [], []
+    for d in iter_source(cfg.source):
+        row = {"text": d["text"].strip(), "label": str(d[cfg.label_field])}
+        (test if doc_hash(d["id"], 0) < cfg.test_fraction else train).append(row)
+    return train, test
+
+
+def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+    if cfg.scoring != "auto" and cfg.scoring not in SCORING_VARIANTS:
+        raise ValueError(f"scoring must be 'auto' or one of {SCORING_VARIANTS}, got {cfg.scoring!r}")
+    train, test_all = _load(cfg)
+    labels = sorted({r["label"] for r in train})
+    pre, post = cfg.template.split("{label}", 1)
+    strip = len(pre) - len(pre.rstrip())
+    label_prefix = pre[len(pre.rstrip()) :] if strip else ""
+    pre = pre.rstrip() if strip else pre
+    label_ids = [setup.encode(label_prefix + lab + post) for lab in labels]
+    sep = setup.encode(cfg.separator)
+
+    def text_ids(t: str) -> list[int]:
+        return setup.encode(setup.decode(setup.encode(t)[: cfg.max_text_tokens]))
+
+    def example_ids(r: dict[str, str]) -> list[int]:
+        body = text_ids(r["text"])
+        return (
+            setup.encode(pre.split("{text}")[0])
+            + body
+            + setup.encode(pre.split("{text}", 1)[1])
+            + setup.encode(label_prefix + r["label"] + post)
+        )
+
+    def query_ids(r: dict[str, str]) -> list[int]:
+        return (
+            setup.encode(pre.split("{text}")[0])
+            + text_ids(r["text"])
+            + setup.encode(pre.split("{text}", 1)[1])
+        )
+
+    # calibration: P(label | empty string), same for every method
+    base = setup.method("truncated") if "truncated" in setup.methods else None
+    from cepe.eval.methods import DecoderMethod
+
+    dm = base or DecoderMethod(setup.decoder, pad_token_id=setup.pad_id, autocast_dtype=setup.autocast_dtype)
+    domain = dm.score([Request([setup.start_id, *ids], len(ids)) for ids in label_ids])
+
+    rows: list[dict[str, Any]] = []
+    acc: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for seed in cfg.seeds:
+        rng = random.Random(seed)
+        test = test_all[:]
+        rng.shuffle(test)
+        test = limit_items(test, cfg.test_size, setup)
+        demos = balanced_demos(train, cfg.decoder_demos + max(cfg.encoder_demos or [0]), seed)
+        dec = [t for d in demos[: cfg.decoder_demos] for t in example_ids(d) + sep]
+        for kp in [0, *cfg.encoder_demos]:
+            for method in setup.methods:
+                if (kp == 0) != (method == "truncated"):
+                    continue
+                enc_demos = [example_ids(d) for d in demos[cfg.decoder_demos : cfg.decoder_demos + kp]]
+
+                def classify(m, r, _enc=enc_demos, _method=method, _dec=dec):
+                    q = query_ids(r)
+                    if _method in ("full", "streamingllm"):
+                        prefix = [t for e in _enc for t in e + sep] + _dec + q
+                        reqs = [Request(prefix + ids, len(ids)) for ids in label_ids]
+                    elif _method in ("cepe", "replug"):
+                        reqs = [
+                            Request(_dec + q + ids, len(ids), [list(e) for e in _enc]) for ids in label_ids
+                        ]
+                        if _method == "replug":  # each pass: one encoder demo, then the decoder prompt
+                            reqs = [
+                                Request(x.input_ids, x.num_targets, [e + sep for e in _enc]) for x in reqs
+                            ]
+                    else:
+                        reqs = [Request(_dec + q + ids, len(ids)) for ids in label_ids]
+                    cond = m.score(reqs)
+                    scores = label_scores(cond, domain)
+                    gold = labels.index(r["label"]) if r["label"] in labels else -1
+                    res = {v: float(int(scores[v].argmax()) == gold) for v in SCORING_VARIANTS}
+                    return res, sum(x.num_tokens for x in reqs)
+
+                vals, cost = run_examples(setup, method, test, classify, f"icl seed={seed} k'={kp}")
+                key = (method, kp)
+                bucket = acc.setdefault(key, {v: [] for v in SCORING_VARIANTS})
+                for v in SCORING_VARIANTS:
+                    bucket[v].append(100.0 * sum(x[v] for x in vals) / max(1, len(vals)))
+                bucket.setdefault("_cost", []).append(cost)  # type: ignore[arg-type]
+    variant = cfg.scoring
+    if variant == "auto":
+        ref = acc.get(("truncated", 0))
+        variant = max(SCORING_VARIANTS, key=lambda v: sum(ref[v])) if ref else "ll"
+    for (method, kp), b in acc.items():
+        means = {v: sum(b[v]) / len(b[v]) for v in SCORING_VARIANTS}
+        cost = b["_cost"][-1]  # type: ignore[index]
+        rows.append(
+            {
+                "method": method,
+                "setting": {"k_decoder": cfg.decoder_demos, "k_encoder": kp},
+                "metric": f"accuracy[{variant}]",
+                "value": means[variant],
+                "n": len(cfg.seeds),
+                "variants": means,
+                **cost,
+            }
+        )
+    return {
+        "task": "icl",
+        "rows": rows,
+        "plot_x": "k_encoder",
+        "notes": [
+            f"labels: {labels}",
+            f"scoring variant: {variant} (ll_norm/pmi_norm divide by label tokens)",
+        ],
+    }
