@@ -117,7 +117,8 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
         p = plot_lines(result, x_key, out / f"{task}.png")
         if p is not None:
             paths["plot"] = str(p)
-    for extra in result.get("plots", []):
-        paths.setdefault("extra_plots", "")
-        paths["extra_plots"] = ",".join(filter(None, [paths["extra_plots"], extra]))
+    for method, grid in (result.get("grids") or {}).items():
+        hp = out / f"{task}_{method}.png"
+        plot_heatmap(grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")
+        paths[f"heatmap_{method}"] = str(hp)
     return paths

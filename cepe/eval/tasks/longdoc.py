@@ -1,0 +1,141 @@
+"""Long-document tasks in the ZeroSCROLLS style (§7, App. C.3): the document, then the instruction.
+
+The decoder keeps the last ``decoder_window`` tokens (document tail + instruction; paper 2K); the rest of
+the document goes to the CEPE encoder in chunks (up to ``max_total_tokens`` in all, e.g. 2K + 30K).
+``full`` reads everything in the decoder, ``truncated`` only the window, ``replug`` one pass per chunk.
+Metrics: token F1 (QA), accuracy (multiple choice), ROUGE-L (summaries).
+
+Data: the ACL papers with their aspect summaries here (:func:`cepe.data.acl_summaries`), or JSONL with
+``document``/``instruction``/``answers`` fields, or ZeroSCROLLS records (``input``, ``output``,
+``document_start_index``, ``document_end_index``, ``query_start_index``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cepe.eval.common import EvalSetup, chunk_tail_aligned, limit_items, run_examples, wrap_prompt
+from cepe.eval.methods import Request, standard_request
+from cepe.eval.metrics import text_metric
+
+
+def read_longdoc(path: str | Path) -> list[dict[str, Any]]:
+    """Examples ``{"document", "instruction", "answers"}`` from JSONL (own or ZeroSCROLLS fields)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"long-document file {p} does not exist")
+    out = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if "document" in r:
+            doc, instr, ans = r["document"], r.get("instruction", ""), r.get("answers", r.get("output", ""))
+        elif "input" in r and "document_end_index" in r:
+            text = r["input"]
+            doc = text[r.get("document_start_index", 0) : r["document_end_index"]]
+            instr = text[r.get("query_start_index", r["document_end_index"]) :]
+            ans = r.get("output", "")
+        else:
+            raise ValueError(
+                f"{p}:{i + 1}: expected fields document/instruction/answers or ZeroSCROLLS input/output/"
+                "document_end_index"
+            )
+        out.append({"document": doc, "instruction": instr, "answers": [ans] if isinstance(ans, str) else ans})
+    return out
+
+
+def acl_examples(split: str, aspect: str, instruction: str, max_docs: int | None) -> list[dict[str, Any]]:
+    """ACL papers paired with one aspect summary (challenge / approach / outcome)."""
+    from cepe.data.corpora import acl_papers, acl_summaries
+
+    summaries = {s["paper_id"]: s for s in acl_summaries(split)}
+    out = []
+    for doc in acl_papers():
+        s = summaries.get(doc["paper_id"])
+        if s and s.get(aspect):
+            out.append({"document": doc["text"], "instruction": instruction, "answers": [s[aspect]]})
+            if max_docs is not None and len(out) >= max_docs:
+                break
+    return out
+
+
+@dataclass
+class Config:
+    """Settings.
+
+    Attributes:
+        path: JSONL file (None = ACL papers with ``aspect`` summaries of ``split``).
+        instruction: used for the ACL papers.
+        decoder_window: decoder tokens incl. the instruction (paper 2048).
+        max_total_tokens: cap on document + instruction tokens (None = all; paper 2K+2K, 2K+30K, all).
+        chunk_length: encoder chunk length.
+        metric: ``rouge_l``, ``f1`` or ``accuracy``.
+        max_new_tokens: paper 50 (QA) / 1024 (summaries).
+        chat_template: ``auto``, true or false.
+        answer_prefix: text after the instruction (without a chat template).
+        sampling: generation kwargs for cepe/full/truncated (e.g. GovReport: do_sample, top_p 0.95,
+            temperature 1.0, min_new_tokens 10); streamingllm and replug are greedy only.
+    """
+
+    path: str | None = None
+    split: str = "test"
+    aspect: str = "challenge"
+    instruction: str = "In one sentence, what problem does the paper above address?"
+    decoder_window: int = 2048
+    max_total_tokens: int | None = None
+    chunk_length: int = 256
+    metric: str = "rouge_l"
+    max_new_tokens: int = 64
+    num_examples: int | None = None
+    chat_template: bool | str = "auto"
+    answer_prefix: str = "Answer:"
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+    metric = text_metric(cfg.metric)
+    if cfg.path:
+        data = read_longdoc(cfg.path)
+    else:
+        data = acl_examples(cfg.split, cfg.aspect, cfg.instruction, cfg.num_examples)
+    data = limit_items(data, cfg.num_examples, setup)
+    before, after = wrap_prompt(setup, cfg.chat_template)
+    suffix_text = "\n\n{instr}" + (after if before else "\n" + cfg.answer_prefix)
+    rows = []
+    for method in setup.methods:
+
+        def answer(m, ex, _method=method):
+            pre = setup.encode(before)
+            suf = setup.encode(suffix_text.format(instr=ex["instruction"].strip()))
+            doc = setup.encode(ex["document"])
+            if cfg.max_total_tokens is not None:
+                doc = doc[-max(0, cfg.max_total_tokens - len(pre) - len(suf)) :]
+            room = cfg.decoder_window - len(pre) - len(suf)
+            if room <= 0:
+                raise ValueError(f"decoder_window {cfg.decoder_window} leaves no room for the document")
+            tail, head = doc[-room:], doc[:-room] if len(doc) > room else []
+            if _method in ("full", "streamingllm"):
+                req = Request(pre + doc + suf)
+            else:
+                req = standard_request(_method, chunk_tail_aligned(head, cfg.chunk_length), pre + tail + suf)
+            req.max_new_tokens, req.stop_ids = cfg.max_new_tokens, ()
+            kwargs = cfg.sampling if _method in ("cepe", "full", "truncated") else {}
+            pred = setup.decode(m.generate(req, **kwargs)).strip()
+            return metric(pred, ex["answers"]), req.num_tokens + cfg.max_new_tokens
+
+        vals, cost = run_examples(setup, method, data, answer, "longdoc")
+        rows.append(
+            {
+                "method": method,
+                "setting": {"decoder_window": cfg.decoder_window, "max_total": cfg.max_total_tokens or "all"},
+                "metric": cfg.metric,
+                "value": 100.0 * sum(vals) / max(1, len(vals)),
+                "n": len(vals),
+                **cost,
+            }
+        )
+    return {"task": "longdoc", "rows": rows, "notes": [cfg.path or f"ACL papers, {cfg.aspect} summaries"]}

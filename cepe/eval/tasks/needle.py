@@ -1,0 +1,168 @@
+"""Needle in a haystack (App. D): a needle sentence at depth ``d`` of a haystack of ``T`` tokens (the
+essays), then the question; the answer must contain the needle's key words.
+
+The decoder keeps the last ``decoder_window`` tokens of the haystack plus the question; the rest is split
+at sentence boundaries into encoder chunks of at most ``chunk_length`` tokens. With ``score_scaling``
+(``yarn``) the CEPE cross-attention scores are scaled by the ratio of context tokens to training context
+tokens (:class:`cepe.config.CepeConfig`). Writes an accuracy grid and one heatmap PNG per method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cepe.eval.common import (
+    EvalSetup,
+    iter_source,
+    pack_sentences,
+    run_examples,
+    split_sentences,
+    wrap_prompt,
+)
+from cepe.eval.methods import Request
+
+
+@dataclass
+class Config:
+    """Settings.
+
+    Attributes:
+        haystack: document source (default: the bundled essays).
+        needle, question, answer_keywords: the probe; the score is the fraction of keywords found.
+        totals: haystack lengths in tokens; depths: needle depths in [0, 1].
+        decoder_window: decoder tokens of haystack (paper 2K); chunk_length: max encoder chunk tokens.
+        score_scaling: ``none`` or ``yarn`` (CEPE only); train_context_tokens: the training context length
+            (default: the model's ``cepe_config.train_context_tokens``).
+    """
+
+    haystack: dict[str, Any] = field(default_factory=lambda: {"corpus": "essays"})
+    needle: str = (
+        "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+    )
+    question: str = "What is the best thing to do in San Francisco?"
+    answer_keywords: list[str] = field(default_factory=lambda: ["sandwich", "Dolores Park"])
+    totals: list[int] = field(default_factory=lambda: [4096, 8192, 16384, 32768])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    decoder_window: int = 2048
+    chunk_length: int = 256
+    max_new_tokens: int = 32
+    chat_template: bool | str = "auto"
+    answer_prefix: str = "Answer:"
+    score_scaling: str = "none"
+    train_context_tokens: int | None = None
+
+
+def build_haystack(
+    sentences: list[list[int]], needle: list[int], total: int, depth: float
+) -> list[list[int]]:
+    """Tokenised sentences summing to about ``total`` tokens with ``needle`` inserted at the sentence
+    boundary nearest ``depth`` of the way through."""
+    out, n = [], 0
+    budget = total - len(needle)
+    for s in sentences:
+        if n + len(s) > budget:
+            break
+        out.append(s)
+        n += len(s)
+    if n < budget * 0.9:
+        raise ValueError(f"the haystack holds only {n} tokens, fewer than the {total} requested")
+    target, acc, pos = depth * n, 0, len(out)
+    for i, s in enumerate(out):
+        if acc >= target:
+            pos = i
+            break
+        acc += len(s)
+    return out[:pos] + [needle] + out[pos:]
+
+
+def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+    sentences: list[list[int]] = []
+    for doc in iter_source(cfg.haystack):
+        sentences += [setup.encode(s) for s in split_sentences(doc["text"])]
+        if sum(map(len, sentences)) > max(cfg.totals) * 1.1:
+            break
+    needle = setup.encode(cfg.needle.strip() + " ")
+    before, after = wrap_prompt(setup, cfg.chat_template)
+    pre = setup.encode(before)
+    suf = setup.encode(f"\n\n{cfg.question}" + (after if before else f"\n{cfg.answer_prefix}"))
+    keys = [k.lower() for k in cfg.answer_keywords]
+    rows: list[dict[str, Any]] = []
+    for method in setup.methods:
+        for depth in cfg.depths:
+            for total in cfg.totals:
+                hay = build_haystack(sentences, needle, total, depth)
+                flat = [t for s in hay for t in s]
+                # decoder: whole sentences from the end up to the window; the rest to the encoder
+                dec_n, cut = 0, len(hay)
+                while cut > 0 and dec_n + len(hay[cut - 1]) <= cfg.decoder_window:
+                    cut -= 1
+                    dec_n += len(hay[cut])
+                tail = [t for s in hay[cut:] for t in s]
+                chunks = pack_sentences(hay[:cut], cfg.chunk_length)
+                if method in ("full", "streamingllm"):
+                    req = Request(pre + flat + suf)
+                elif method == "truncated":
+                    req = Request(pre + tail + suf)
+                else:
+                    req = Request(pre + tail + suf, 0, chunks)
+                req.max_new_tokens = cfg.max_new_tokens
+                restore = _scale(setup, cfg) if method == "cepe" else None
+                try:
+
+                    def go(mm, r):
+                        text = setup.decode(mm.generate(r)).lower()
+                        return sum(k in text for k in keys) / max(1, len(keys)), r.num_tokens
+
+                    vals, cost = run_examples(setup, method, [req], go, f"needle T={total} d={depth}")
+                finally:
+                    if restore:
+                        restore()
+                rows.append(
+                    {
+                        "method": method,
+                        "setting": {"total": total, "depth": depth},
+                        "metric": "accuracy",
+                        "value": 100.0 * vals[0],
+                        "n": 1,
+                        **cost,
+                    }
+                )
+    grids = {}  # method -> depth x total accuracy in [0, 1]
+    for method in setup.methods:
+        grids[method] = [
+            [
+                next(
+                    r["value"] / 100.0
+                    for r in rows
+                    if r["method"] == method and r["setting"] == {"total": t, "depth": d}
+                )
+                for t in cfg.totals
+            ]
+            for d in cfg.depths
+        ]
+    return {
+        "task": "needle",
+        "rows": rows,
+        "grids": grids,
+        "totals": cfg.totals,
+        "depths": cfg.depths,
+        "plot_x": "total",
+    }
+
+
+def _scale(setup: EvalSetup, cfg: Config):
+    """Switch on cross-attention score scaling for the run; returns a function restoring the config."""
+    if cfg.score_scaling == "none" or setup.cepe_model is None:
+        return None
+    cc = setup.cepe_model.cepe_config
+    old = (cc.score_scaling, cc.train_context_tokens)
+    cc.score_scaling = cfg.score_scaling
+    cc.train_context_tokens = cfg.train_context_tokens or cc.train_context_tokens
+    if not cc.train_context_tokens:
+        raise ValueError("score_scaling needs train_context_tokens (set it in the needle config)")
+
+    def restore() -> None:
+        cc.score_scaling, cc.train_context_tokens = old
+
+    return restore

@@ -1,0 +1,189 @@
+"""Every task end to end on a tiny random model with a byte tokenizer (seconds each, CPU)."""
+
+import json
+
+import pytest
+
+from cepe.eval.cli import load_setup, run_task
+from cepe.eval.report import write_report
+
+ALL = ["cepe", "full", "truncated", "streamingllm", "replug"]
+OPTS = {
+    "streamingllm": {"sink_tokens": 4, "recent_tokens": 120, "stride": 64},
+    "replug": {"temperature": 1.0},
+}
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+
+
+def _docs(n, sentences=20, label=None):
+    out = []
+    for i in range(n):
+        text = " ".join(
+            f"{WORDS[(i + j) % len(WORDS)].capitalize()} {WORDS[(i * j) % len(WORDS)]} {j}."
+            for j in range(sentences)
+        )
+        d = {"id": f"doc{i}", "text": text, "title": f"T{i}"}
+        if label:
+            d["label"] = label[i % len(label)]
+        out.append(d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    pytest.importorskip("cepe.modeling")
+    return load_setup("tiny", ALL, method_options=OPTS, progress=False)
+
+
+def _check(result, tmp_path, metric):
+    rows = result["rows"]
+    assert {r["method"] for r in rows} == set(ALL)
+    for r in rows:
+        assert r["metric"].startswith(metric)
+        if "tokens_per_s" in r:
+            assert r["tokens_per_s"] > 0 and r["peak_memory_mb"] > 0
+    paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
+    assert json.loads(open(paths["json"]).read())["task"] == result["task"]
+    assert "| method |" in open(paths["markdown"]).read() or "method" in open(paths["markdown"]).read()
+    return paths
+
+
+def test_lm(setup, tmp_path):
+    cfg = {
+        "sources": [{"name": "toy", "documents": _docs(3)}],
+        "totals": [200, 300],
+        "decoder_window": 128,
+        "decoder_window_overrides": {200: 96},
+        "eval_tokens": 32,
+        "chunk_length": 32,
+        "sequences_per_domain": 2,
+    }
+    r = run_task("lm", setup, cfg)
+    paths = _check(r, tmp_path, "ppl")
+    assert "plot" in paths
+    assert any(row["setting"]["domain"] == "avg" for row in r["rows"])
+    # CEPE with a zero-initialised cross-attention output equals the truncated decoder
+    val = {(x["method"], x["setting"]["total"], x["setting"]["domain"]): x["value"] for x in r["rows"]}
+    assert val[("cepe", 200, "toy")] == pytest.approx(val[("truncated", 200, "toy")], rel=1e-4)
+    # deterministic
+    r2 = run_task("lm", setup, cfg)
+    assert [x["value"] for x in r2["rows"]] == [x["value"] for x in r["rows"]]
+
+
+def test_ralm(setup, tmp_path):
+    cfg = {
+        "sources": [{"name": "toy", "documents": _docs(24)}],
+        "test_fraction": 0.3,
+        "retrieval_fraction": 0.7,
+        "seq_length": 160,
+        "query_tokens": 48,
+        "passage_tokens": 40,
+        "ks": [2],
+        "sequences_per_domain": 2,
+    }
+    r = run_task("ralm", setup, cfg)
+    _check(r, tmp_path, "ppl")
+
+
+def test_qa(setup, tmp_path):
+    cfg = {
+        "synthetic": {"source": {"documents": _docs(6)}, "num_questions": 2, "passage_words": 15},
+        "ks": [3],
+        "decoder_passages": 1,
+        "max_new_tokens": 3,
+    }
+    r = run_task("qa", setup, cfg)
+    _check(r, tmp_path, "em")
+
+
+def test_icl(setup, tmp_path):
+    cfg = {
+        "source": {"documents": _docs(30, sentences=3, label=["sport", "tech", "arts"])},
+        "test_fraction": 0.3,
+        "encoder_demos": [3],
+        "test_size": 3,
+        "seeds": [0],
+        "max_text_tokens": 24,
+    }
+    r = run_task("icl", setup, cfg)
+    _check(r, tmp_path, "accuracy")
+    assert set(r["rows"][0]["variants"]) == {"ll", "ll_norm", "pmi", "pmi_norm"}
+
+
+def test_longdoc(setup, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:
+        for d in _docs(2, sentences=30):
+            f.write(
+                json.dumps({"document": d["text"], "instruction": "Summarise.", "answers": ["alpha beta"]})
+                + "\n"
+            )
+    cfg = {
+        "path": str(path),
+        "decoder_window": 96,
+        "chunk_length": 32,
+        "max_new_tokens": 4,
+        "chat_template": False,
+    }
+    r = run_task("longdoc", setup, cfg)
+    _check(r, tmp_path, "rouge_l")
+
+
+def test_needle(setup, tmp_path):
+    cfg = {
+        "haystack": {"documents": _docs(4, sentences=40)},
+        "totals": [200, 300],
+        "depths": [0.0, 1.0],
+        "decoder_window": 96,
+        "chunk_length": 32,
+        "max_new_tokens": 4,
+        "chat_template": False,
+        "score_scaling": "yarn",
+        "train_context_tokens": 100,
+    }
+    r = run_task("needle", setup, cfg)
+    paths = _check(r, tmp_path, "accuracy")
+    assert "heatmap_cepe" in paths
+    assert len(r["grids"]["cepe"]) == 2 and len(r["grids"]["cepe"][0]) == 2
+    assert setup.cepe_model.cepe_config.score_scaling == "none"  # restored
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    pytest.importorskip("cepe.modeling")
+    import yaml
+
+    from cepe.cli import main
+
+    cfg = tmp_path / "lm.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "sources": [{"name": "toy", "documents": _docs(2)}],
+                "totals": [160],
+                "decoder_window": 96,
+                "decoder_window_overrides": {},
+                "eval_tokens": 16,
+                "chunk_length": 32,
+                "sequences_per_domain": 1,
+                "methods": {"streamingllm": {"recent_tokens": 64, "stride": 32}},
+            }
+        )
+    )
+    rc = main(
+        [
+            "eval",
+            "lm",
+            "--model",
+            "tiny",
+            "--config",
+            str(cfg),
+            "--methods",
+            "cepe,truncated,streamingllm",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    assert (tmp_path / "out" / "lm.json").exists() and (tmp_path / "out" / "lm.png").exists()
+    assert main(["eval", "lm", "--model", "tiny", "--config", str(tmp_path / "missing.yaml")]) == 2
