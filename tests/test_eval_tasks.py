@@ -187,3 +187,22 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert rc == 0
     assert (tmp_path / "out" / "lm.json").exists() and (tmp_path / "out" / "lm.png").exists()
     assert main(["eval", "lm", "--model", "tiny", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_shipped_configs_parse():
+    import glob
+    import importlib
+
+    import yaml
+
+    from cepe.eval.common import config_from_dict
+
+    files = sorted(glob.glob("configs/eval/*.yaml"))
+    assert files
+    for f in files:
+        data = yaml.safe_load(open(f))
+        data.pop("methods", None)
+        task = f.split("/")[-1].split(".")[0].replace("_paper", "")
+        config_from_dict(importlib.import_module(f"cepe.eval.tasks.{task}").Config, data, f)
+    with pytest.raises(ValueError, match="unknown key"):
+        config_from_dict(importlib.import_module("cepe.eval.tasks.lm").Config, {"totalz": [1]})
