@@ -282,7 +282,7 @@ def linux_source_dir(download: bool = True) -> Path:
     """Directory holding the ``Documentation``, ``kernel`` and ``mm`` trees of Linux 6.1.
 
     On first use downloads Debian ``linux-source-6.1`` (139 MB), streams its ``.tar.xz`` once to keep
-    only ``Documentation/**/*.rst`` and ``kernel/``, ``mm/`` ``*.c`` files (about 60 MB), then deletes
+    only ``Documentation/**/*.rst`` and ``kernel/``, ``mm/`` ``*.c`` files (about 50 MB), then deletes
     the package.
     """
     target = corpora_dir() / "linux-6.1"
