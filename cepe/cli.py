@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
             if err.name is not None and name.startswith(err.name):
                 continue  # subsystem not present in this build
             raise
-        module.register(sub)
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
     return parser
 
 
