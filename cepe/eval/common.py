@@ -143,6 +143,12 @@ def iter_source(source: dict[str, Any]) -> Iterator[dict[str, Any]]:
     A spec is ``{"corpus": <bundled name>}`` (see :mod:`cepe.data.corpora`), ``{"path": <file or dir>,
     "text_field": "text"}`` (JSONL, JSON, parquet, text files), or ``{"documents": [{"text": ...}, ...]}``
     (inline, for tests). ``name`` renames the domain, ``max_documents`` caps the count.
+
+    ``split`` (``"train" | "test" | "retrieval"``) keeps only the documents of that split of the
+    deterministic document-level split used for training: its seed and fractions are read from
+    ``split_from`` (a ``cepe prepare-data`` output directory with ``summary.json``) or given as
+    ``split_seed`` / ``test_fraction`` / ``retrieval_fraction``. Evaluating on ``split: test`` of the
+    training data's directory guarantees the documents were never trained on.
     """
     name = source.get("name")
     cap = source.get("max_documents")
@@ -161,12 +167,43 @@ def iter_source(source: dict[str, Any]) -> Iterator[dict[str, Any]]:
         docs = read_path(source["path"], text_field=source.get("text_field", "text"))
     else:
         raise ValueError(f"source {source} needs one of 'corpus', 'path' or 'documents'")
+    if "split" in source:
+        docs = _filter_split(docs, source)
     for i, d in enumerate(docs):
         if cap is not None and i >= cap:
             break
         if name:
             d = {**d, "domain": name}
         yield d
+
+
+def _filter_split(docs: Iterable[dict[str, Any]], source: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    import json
+    from pathlib import Path
+
+    from cepe.data.split import SPLITS, SplitFractions, assign_split
+
+    split = source["split"]
+    if split not in SPLITS:
+        raise ValueError(f"source split must be one of {SPLITS}, got {split!r}")
+    if "split_from" in source:
+        summary = Path(source["split_from"]) / "summary.json"
+        if not summary.exists():
+            raise FileNotFoundError(
+                f"{summary} not found: split_from must be a `cepe prepare-data` output dir"
+            )
+        info = json.loads(summary.read_text())
+        seed, fr = int(info["seed"]), info["fractions"]
+        fractions = SplitFractions(test=float(fr["test"]), retrieval=float(fr["retrieval"]))
+    else:
+        seed = int(source.get("split_seed", 0))
+        fractions = SplitFractions(
+            test=float(source.get("test_fraction", 0.05)),
+            retrieval=float(source.get("retrieval_fraction", 0.05)),
+        )
+    for d in docs:
+        if assign_split(d["id"], seed, fractions) == split:
+            yield d
 
 
 def run_examples(
