@@ -1,0 +1,246 @@
+"""Summaries of a benchmark run: ratios, targets, printed tables, JSON and PNG curves."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# CEPE / full-context prefill throughput the benchmark aims for, by total tokens (80% of the cost model's
+# prediction for the default decoder, rounded down).
+THROUGHPUT_TARGETS = {8192: 2.0, 32768: 6.0, 131072: 20.0}
+MEMORY_TARGET_TOKENS = 131072
+MEMORY_TARGET_RATIO = 1 / 6
+DECODE_STATES_FACTOR = 5.0
+
+MB = 2**20
+
+
+def _index(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    out = {}
+    for r in rows:
+        if r.get("skipped") or r.get("error"):
+            continue
+        if r["kind"] == "prefill":
+            out[("prefill", r["method"], r["tokens"])] = r
+        else:
+            out[("decode", r["method"], r.get("mode"))] = r
+    return out
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Ratios between methods and the status of every target that the measured rows allow to check."""
+    rows = result["rows"]
+    idx = _index(rows)
+    predicted = result["predicted_flops"]
+    lengths = sorted({r["tokens"] for r in rows if r["kind"] == "prefill"})
+    prefill = []
+    targets = []
+    for t in lengths:
+        cepe, full = idx.get(("prefill", "cepe", t)), idx.get(("prefill", "full", t))
+        entry: dict[str, Any] = {"tokens": t}
+        for m in ("full", "streamingllm", "replug"):
+            other = idx.get(("prefill", m, t))
+            if cepe and other:
+                entry[f"throughput_cepe_over_{m}"] = cepe["tokens_per_s"] / other["tokens_per_s"]
+                entry[f"peak_delta_cepe_over_{m}"] = cepe["peak_delta_bytes"] / max(
+                    1, other["peak_delta_bytes"]
+                )
+        pf = predicted.get(str(t), {})
+        if pf.get("cepe") and pf.get("full"):
+            entry["predicted_cepe_over_full"] = pf["full"] / pf["cepe"]
+        if cepe and full:
+            measured = entry["throughput_cepe_over_full"]
+            entry["fraction_of_predicted"] = measured / entry["predicted_cepe_over_full"]
+            entry["peak_total_cepe_over_full"] = cepe["peak_rss_bytes"] / full["peak_rss_bytes"]
+            if t in THROUGHPUT_TARGETS:
+                targets.append(
+                    {
+                        "target": f"prefill throughput CEPE/full at {t} >= {THROUGHPUT_TARGETS[t]}x",
+                        "measured": measured,
+                        "met": measured >= THROUGHPUT_TARGETS[t],
+                    }
+                )
+            targets.append(
+                {
+                    "target": f"prefill throughput CEPE/full at {t} >= 80% of the cost model's ratio "
+                    f"({entry['predicted_cepe_over_full']:.2f}x)",
+                    "measured": entry["fraction_of_predicted"],
+                    "met": entry["fraction_of_predicted"] >= 0.8,
+                }
+            )
+            if t == MEMORY_TARGET_TOKENS:
+                ratio = entry["peak_delta_cepe_over_full"]
+                targets.append(
+                    {
+                        "target": f"prefill peak memory (over the loaded model) CEPE/full at {t} <= 1/6",
+                        "measured": ratio,
+                        "met": ratio <= MEMORY_TARGET_RATIO,
+                    }
+                )
+        prefill.append(entry)
+    cepe_rows = sorted(
+        (r for k, r in idx.items() if k[0] == "prefill" and k[1] == "cepe"), key=lambda r: r["tokens"]
+    )
+    memory: dict[str, Any] = {
+        "full_kv_bytes_per_token": result["cost_model"]["full_kv_bytes_per_token"],
+        "cepe_extra_fraction_bound": result["cost_model"]["cepe_extra_memory_fraction"],
+    }
+    if len(cepe_rows) >= 2:
+        a, b = cepe_rows[-2], cepe_rows[-1]
+        span = b["tokens"] - a["tokens"]
+        kv = memory["full_kv_bytes_per_token"]
+        memory["cepe_kept_tensor_bytes_per_token"] = (b["kept_tensor_bytes"] - a["kept_tensor_bytes"]) / span
+        memory["cepe_kept_rss_bytes_per_token"] = (
+            b["kept_rss_delta_bytes"] - a["kept_rss_delta_bytes"]
+        ) / span
+        memory["cepe_kept_tensor_fraction"] = memory["cepe_kept_tensor_bytes_per_token"] / kv
+        memory["cepe_kept_rss_fraction"] = memory["cepe_kept_rss_bytes_per_token"] / kv
+        memory["slope_between_tokens"] = [a["tokens"], b["tokens"]]
+        targets.append(
+            {
+                "target": "extra memory kept per context token (measured resident) <= "
+                f"{memory['cepe_extra_fraction_bound']:.4f} of the full-context K/V per token",
+                "measured": memory["cepe_kept_rss_fraction"],
+                "met": memory["cepe_kept_rss_fraction"] <= memory["cepe_extra_fraction_bound"] * 1.05,
+            }
+        )
+    decode: dict[str, Any] = {}
+    full_dec = idx.get(("decode", "full", None))
+    for mode in ("kv", "states", "absorbed"):
+        r = idx.get(("decode", "cepe", mode))
+        if r:
+            decode[mode] = r["tokens_per_s"]
+    if full_dec:
+        decode["full"] = full_dec["tokens_per_s"]
+    fast = max((decode[m] for m in ("kv", "absorbed") if m in decode), default=None)
+    if fast is not None and "full" in decode:
+        targets.append(
+            {
+                "target": "decode: kv or absorbed at least as fast as full context",
+                "measured": fast / decode["full"],
+                "met": fast >= decode["full"],
+            }
+        )
+    if fast is not None and "states" in decode:
+        targets.append(
+            {
+                "target": f"decode: kv or absorbed >= {DECODE_STATES_FACTOR:g}x the states mode",
+                "measured": fast / decode["states"],
+                "met": fast >= DECODE_STATES_FACTOR * decode["states"],
+            }
+        )
+    return {"prefill": prefill, "memory": memory, "decode": decode, "targets": targets}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """Human-readable tables of a run (rows, ratios, targets)."""
+    peak = result["matmul_peak_flops"]
+    lines = [
+        f"machine: {result['machine']}",
+        f"measured bf16 matmul peak: {peak / 1e9:.1f} GFLOP/s ({result['config']['dtype']} run)",
+        "",
+        f"{'prefill':<13}{'tokens':>8}{'tok/s':>11}{'s':>9}{'GFLOP':>11}{'%peak':>7}{'peak MB':>9}{'kept MB':>9}",
+    ]
+    for r in result["rows"]:
+        if r["kind"] != "prefill":
+            continue
+        head = f"{r['method']:<13}{r['tokens']:>8}"
+        if r.get("skipped") or r.get("error"):
+            why = r.get("skipped") or "error: " + r["error"].splitlines()[-1][:60]
+            lines.append(f"{head}  ({why}; cost model: {r['flops'] / 1e9:.0f} GFLOP)")
+            continue
+        lines.append(
+            f"{head}{r['tokens_per_s']:>11.1f}{r['seconds']:>9.2f}{r['flops'] / 1e9:>11.1f}"
+            f"{100 * r['flops_per_s'] / peak:>7.1f}{r['peak_delta_bytes'] / MB:>9.1f}"
+            f"{r['kept_tensor_bytes'] / MB:>9.1f}"
+        )
+    dec = [r for r in result["rows"] if r["kind"] == "decode"]
+    if dec:
+        lines += ["", f"{'decode':<20}{'context':>8}{'tok/s':>9}{'ms/tok':>9}{'GFLOP/tok':>11}{'kept MB':>9}"]
+        for r in dec:
+            name = r["method"] + (f"/{r['mode']}" if r.get("mode") else "")
+            if r.get("error"):
+                lines.append(f"{name:<20}{r['context']:>8}  error: {r['error'].splitlines()[-1][:60]}")
+                continue
+            lines.append(
+                f"{name:<20}{r['context']:>8}{r['tokens_per_s']:>9.2f}{r['ms_per_token']:>9.1f}"
+                f"{r['flops_per_token'] / 1e9:>11.2f}{r['kept_tensor_bytes'] / MB:>9.1f}"
+            )
+    s = result["summary"]
+    lines += ["", "ratios (CEPE over baseline; throughput: higher is better, memory: lower is better)"]
+    for e in s["prefill"]:
+        parts = []
+        if "predicted_cepe_over_full" in e:
+            parts.append(f"cost-model full/CEPE {e['predicted_cepe_over_full']:.2f}x")
+        for m in ("full", "streamingllm", "replug"):
+            if f"throughput_cepe_over_{m}" in e:
+                parts.append(
+                    f"vs {m}: throughput {e[f'throughput_cepe_over_{m}']:.2f}x, "
+                    f"peak {e[f'peak_delta_cepe_over_{m}']:.3f}"
+                )
+        lines.append(f"  {e['tokens']:>7}: " + "; ".join(parts))
+    mem = s["memory"]
+    if "cepe_kept_rss_fraction" in mem:
+        lines.append(
+            f"  extra memory per context token (CEPE, {mem['slope_between_tokens']}): "
+            f"tensors {mem['cepe_kept_tensor_bytes_per_token']:.0f} B, resident "
+            f"{mem['cepe_kept_rss_bytes_per_token']:.0f} B = {mem['cepe_kept_rss_fraction']:.4f} of the "
+            f"full-context K/V ({mem['full_kv_bytes_per_token']} B; bound {mem['cepe_extra_fraction_bound']:.4f})"
+        )
+    if s["decode"]:
+        lines.append("  decode tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in s["decode"].items()))
+    lines += ["", "targets"]
+    for t in s["targets"]:
+        lines.append(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: measured {t['measured']:.3f}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write the run's results (atomically)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Throughput and peak memory vs context length per method, and decode speed per cache mode (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r.get("skipped") and not r.get("error")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    methods = sorted({r["method"] for r in rows if r["kind"] == "prefill"})
+    for m in methods:
+        pts = sorted((r["tokens"], r) for r in rows if r["kind"] == "prefill" and r["method"] == m)
+        xs = [t for t, _ in pts]
+        axes[0].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=m)
+        axes[1].plot(xs, [r["peak_delta_bytes"] / MB for _, r in pts], marker="o", label=m)
+    for ax, title, unit in (
+        (axes[0], "prefill throughput", "tokens / s"),
+        (axes[1], "prefill peak memory over the loaded model", "MiB"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("total tokens")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if methods:
+            ax.legend()
+    dec = [r for r in rows if r["kind"] == "decode"]
+    names = [r["method"] + (f"/{r['mode']}" if r.get("mode") else "") for r in dec]
+    axes[2].bar(names, [r["tokens_per_s"] for r in dec], color="tab:gray")
+    ctx = dec[0]["context"] if dec else 0
+    axes[2].set_title(f"decode after {ctx} tokens")
+    axes[2].set_ylabel("tokens / s")
+    fig.suptitle(f"{result['config']['model']} ({result['config']['dtype']}), {result['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,434 @@
+"""Measuring one benchmark setting: model construction, the prefill of each method, decoding.
+
+A *setting* is a dict: ``{"kind": "prefill", "method": m, "tokens": T}`` or
+``{"kind": "decode", "method": "full" | "cepe", "mode": cache mode, "context": T, "tokens": N}``.
+:func:`run_setting` measures one; ``python -m cepe.bench.runner CONFIG_JSON SETTING_JSON`` runs it in a
+fresh process (one per setting, so peak-memory numbers do not inherit an earlier run's heap) and prints
+the result as one JSON line.
+
+Methods, all on the same frozen decoder (the CEPE model's decoder with its cross-attention idle):
+
+- ``cepe``: the last ``window`` tokens in the decoder, the rest through the encoder in chunks; the prefill
+  keeps Φ and the decoder's K/V cache (cache mode ``states`` during prefill: K/V projected per layer and
+  dropped), ready to generate with any cache mode.
+- ``full``: the decoder reads all tokens, ``full_chunk`` tokens per call into its K/V cache (chunked
+  prefill), logits only for the last position. Beyond the decoder's trained positions the rotary
+  positions are simply extended: what is measured is cost, not quality.
+- ``streamingllm``: :class:`cepe.eval.streaming.StreamingLLM` (4 sinks, ``window - 4`` recent tokens,
+  stride ``window``) scoring the last token.
+- ``replug``: :class:`cepe.eval.replug.Replug`: the last ``window - replug_piece`` tokens are the input,
+  every ``replug_piece`` tokens before them one pass (piece + input), scoring the last token.
+
+Random token ids are used: costs do not depend on the values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .flops import CostModel, DecoderShape
+from .memory import PeakRSS, tensor_bytes
+
+PREFILL_METHODS = ("cepe", "full", "streamingllm", "replug")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class BenchConfig:
+    """Everything that defines a benchmark run (saved into the result JSON).
+
+    Attributes:
+        model: decoder: ``"default"`` (SmolLM2-135M), ``"tiny"`` (2-layer random, for tests), a local
+            directory or a hub id.
+        random_init: build the decoder from its config with random weights instead of loading them.
+        dtype: ``"bf16"`` (the fast path on CPUs with bf16 matmul units) or ``"fp32"``.
+        encoder_hidden / encoder_layers / encoder_heads: context encoder size (intermediate = 4 × hidden).
+        chunk: encoder chunk length. window: decoder tokens (see module docstring).
+        micro_batch: encoder chunks per encoder call.
+        full_chunk: tokens per call of the chunked full-context prefill.
+        replug_piece: context tokens per REPLUG pass.
+        lengths: total tokens of the prefill settings.
+        methods: prefill methods to run.
+        max_tokens: per method, the longest length run (longer ones are skipped, reported as such).
+        decode_context: context length of the decode settings (0 = no decode settings).
+        decode_tokens: tokens generated (timed) per decode setting, after one untimed step.
+        decode_modes: CEPE cache modes for decoding; full context is always included.
+        decode_fill: ``"random"``: decode after caches of the right shape filled with random values
+            (decode cost does not depend on them; avoids a slow full-context prefill) or ``"prefill"``.
+        repeats: timed prefills per setting (the median is reported).
+        compile: wrap the encoder layers and cross-attention blocks in ``torch.compile``.
+        threads: torch intra-op threads (0 = torch's default).
+        seed: seed of the random weights and token ids.
+    """
+
+    model: str = "default"
+    random_init: bool = False
+    dtype: str = "bf16"
+    encoder_hidden: int = 256
+    encoder_layers: int = 4
+    encoder_heads: int = 4
+    chunk: int = 256
+    window: int = 2048
+    micro_batch: int = 64
+    full_chunk: int = 4096
+    replug_piece: int = 1024
+    lengths: list[int] = field(default_factory=lambda: [4096, 8192, 32768, 131072])
+    methods: list[str] = field(default_factory=lambda: list(PREFILL_METHODS))
+    max_tokens: dict[str, int] = field(
+        default_factory=lambda: {"full": 32768, "replug": 32768, "streamingllm": 131072, "cepe": 131072}
+    )
+    decode_context: int = 32768
+    decode_tokens: int = 16
+    decode_modes: list[str] = field(default_factory=lambda: ["kv", "states", "absorbed"])
+    decode_fill: str = "random"
+    repeats: int = 1
+    compile: bool = False
+    threads: int = 0
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistent field."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        bad = [m for m in self.methods if m not in PREFILL_METHODS]
+        if bad:
+            raise ValueError(f"unknown methods {bad}; choose from {', '.join(PREFILL_METHODS)}")
+        if not 0 < self.replug_piece < self.window:
+            raise ValueError(f"replug_piece must be in (0, window={self.window}), got {self.replug_piece}")
+        if self.window <= 4:
+            raise ValueError("window must exceed the 4 StreamingLLM sink tokens")
+        for name in ("chunk", "micro_batch", "full_chunk", "repeats", "encoder_hidden", "encoder_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if any(t <= 0 for t in self.lengths):
+            raise ValueError(f"lengths must be positive, got {self.lengths}")
+        if self.encoder_hidden % self.encoder_heads:
+            raise ValueError("encoder_hidden must be divisible by encoder_heads")
+        if self.decode_fill not in ("random", "prefill"):
+            raise ValueError(f"decode_fill must be 'random' or 'prefill', got {self.decode_fill!r}")
+        if self.decode_context and self.decode_context <= self.window:
+            raise ValueError(f"decode_context must exceed the window ({self.window}) or be 0")
+
+    def settings(self) -> list[dict[str, Any]]:
+        """The settings to measure, in order (prefill by length, then decode)."""
+        out: list[dict[str, Any]] = []
+        for total in self.lengths:
+            for m in self.methods:
+                out.append({"kind": "prefill", "method": m, "tokens": int(total)})
+        if self.decode_context and self.decode_tokens > 0:
+            for mode in self.decode_modes:
+                out.append({"kind": "decode", "method": "cepe", "mode": mode, "context": self.decode_context})
+            out.append({"kind": "decode", "method": "full", "mode": None, "context": self.decode_context})
+        return out
+
+    def skipped(self, setting: dict[str, Any]) -> str | None:
+        """Why a setting is not run by default (None when it runs)."""
+        if setting["kind"] != "prefill":
+            return None
+        limit = self.max_tokens.get(setting["method"])
+        if limit is not None and setting["tokens"] > limit:
+            return f"{setting['method']} limited to {limit} tokens (raise with --max-tokens {setting['method']}=N)"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def build_model(cfg: BenchConfig) -> torch.nn.Module:
+    """The CEPE model over the configured decoder, in the benchmark dtype, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "tiny":
+        from cepe.eval.testing import tiny_decoder
+
+        decoder = tiny_decoder(seed=cfg.seed, max_positions=max(4096, *cfg.lengths))
+    elif cfg.random_init:
+        from cepe.assets import resolve_decoder
+
+        decoder = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_decoder(cfg.model)))
+    else:
+        from cepe.assets import load_decoder_model
+
+        decoder = load_decoder_model(cfg.model)
+    vocab = int(decoder.config.vocab_size)
+    enc = EncoderConfig(
+        vocab_size=vocab + 1,
+        hidden_size=cfg.encoder_hidden,
+        num_hidden_layers=cfg.encoder_layers,
+        num_attention_heads=cfg.encoder_heads,
+        mask_token_id=vocab,
+    )
+    ccfg = CepeConfig(
+        encoder=enc,
+        chunk_length=cfg.chunk,
+        cross_attention_cache="states",
+        encoder_micro_batch=cfg.micro_batch,
+    )
+    model = CepeForCausalLM.from_decoder(decoder.eval(), ccfg).to(DTYPES[cfg.dtype]).eval()
+    longest = max([*cfg.lengths, cfg.decode_context + cfg.decode_tokens + 1])
+    if getattr(model.decoder.config, "max_position_embeddings", longest) < longest:
+        # Rotary positions are computed from position ids, so longer inputs run; only cost is measured.
+        model.decoder.config.max_position_embeddings = longest
+    if cfg.compile:
+        for layer in model.encoder.layers:
+            layer.compile(dynamic=False)
+        for m in model.cross_attention_modules():
+            m.compile(dynamic=True)
+    return model
+
+
+def cost_model(model: torch.nn.Module, cfg: BenchConfig) -> CostModel:
+    """The analytical cost model of ``model`` under ``cfg``."""
+    return CostModel(
+        dec=DecoderShape.from_hf_config(model.decoder.config),
+        enc=DecoderShape.from_encoder_config(model.cepe_config.encoder),
+        cross_layers=len(model.cross_layers),
+        window=cfg.window,
+        chunk=cfg.chunk,
+        full_chunk=cfg.full_chunk,
+        replug_piece=cfg.replug_piece,
+    )
+
+
+def random_ids(total: int, vocab: int, seed: int) -> torch.Tensor:
+    """``(1, total)`` random token ids (ids 0..vocab-1)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, total), generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+def _new_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.decoder.config)
+
+
+def cepe_prefill(
+    model: torch.nn.Module, ids: torch.Tensor, window: int, mode: str = "states"
+) -> dict[str, Any]:
+    """CEPE prefill of ``ids`` ``(1, T)``: encode all but the last ``window`` tokens, run the decoder on
+    those with cross-attention. Returns the kept state ``{"context", "cache", "logits"}``."""
+    from cepe.chunking import chunk_ids
+
+    n = min(window, ids.shape[1])
+    ctx_ids, dec_ids = ids[:, : ids.shape[1] - n], ids[:, ids.shape[1] - n :]
+    ctx = None
+    if ctx_ids.shape[1]:
+        chunks, mask = chunk_ids(ctx_ids[0], model.cepe_config.chunk_length)
+        ctx = model.prepare_context(chunks[None], mask[None], cross_attention_cache=mode)
+    cache = _new_cache(model)
+    out = model(input_ids=dec_ids, cross_context=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return {"context": ctx, "cache": cache, "logits": out.logits}
+
+
+def full_prefill(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> dict[str, Any]:
+    """Full-context prefill: the decoder reads ``ids`` ``(1, T)`` ``chunk`` tokens per call into its K/V
+    cache; logits of the last position only."""
+    cache = _new_cache(model)
+    logits = None
+    for a in range(0, ids.shape[1], chunk):
+        out = model.decoder(
+            input_ids=ids[:, a : a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+        logits = out.logits
+    return {"cache": cache, "logits": logits}
+
+
+def streaming_prefill(model: torch.nn.Module, ids: torch.Tensor, window: int) -> dict[str, Any]:
+    """StreamingLLM (the evaluation baseline) reading ``ids`` and scoring its last token."""
+    from cepe.eval.methods import Request
+    from cepe.eval.streaming import StreamingLLM
+
+    method = StreamingLLM(model.decoder, sink_tokens=4, recent_tokens=window - 4, stride=window)
+    return {"logprobs": method.score([Request(ids[0].tolist(), num_targets=1)])}
+
+
+def replug_prefill(model: torch.nn.Module, ids: torch.Tensor, window: int, piece: int) -> dict[str, Any]:
+    """REPLUG (the evaluation baseline): input = last ``window - piece`` tokens, one pass per piece."""
+    from cepe.eval.methods import Request
+    from cepe.eval.replug import Replug
+
+    flat = ids[0].tolist()
+    inp = min(window - piece, len(flat))
+    ctx = flat[: len(flat) - inp]
+    pieces = [ctx[i : i + piece] for i in range(0, len(ctx), piece)]
+    method = Replug(model.decoder, batch_size=1)
+    return {"logprobs": method.score([Request(flat[len(flat) - inp :], num_targets=1, context=pieces)])}
+
+
+def prefill(model: torch.nn.Module, cfg: BenchConfig, method: str, ids: torch.Tensor) -> dict[str, Any]:
+    """Run the prefill of ``method`` on ``ids`` ``(1, T)``; returns what it keeps."""
+    if method == "cepe":
+        return cepe_prefill(model, ids, cfg.window)
+    if method == "full":
+        return full_prefill(model, ids, cfg.full_chunk)
+    if method == "streamingllm":
+        return streaming_prefill(model, ids, cfg.window)
+    if method == "replug":
+        return replug_prefill(model, ids, cfg.window, cfg.replug_piece)
+    raise ValueError(f"unknown prefill method {method!r}; choose from {', '.join(PREFILL_METHODS)}")
+
+
+def measure_prefill(model: torch.nn.Module, cfg: BenchConfig, method: str, total: int) -> dict[str, Any]:
+    """Time and measure the memory of one prefill of ``total`` tokens (after an untimed warm-up)."""
+    cm = cost_model(model, cfg)
+    vocab = int(model.decoder.config.vocab_size)
+    warm = min(total, cfg.window + 2 * cfg.chunk)
+    with torch.inference_mode():
+        prefill(model, cfg, method, random_ids(warm, vocab, cfg.seed + 1))  # kernels, thread pools
+        ids = random_ids(total, vocab, cfg.seed)
+        times = []
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            state = prefill(model, cfg, method, ids)
+            times.append(time.perf_counter() - t0)
+        kept = tensor_bytes(state.get("cache"), state.get("context"))
+        del state
+        for _ in range(cfg.repeats - 1):
+            t0 = time.perf_counter()
+            state = prefill(model, cfg, method, ids)
+            times.append(time.perf_counter() - t0)
+            del state
+    seconds = sorted(times)[len(times) // 2]
+    flops = cm.prefill(method, total)
+    return {
+        "seconds": seconds,
+        "all_seconds": times,
+        "tokens_per_s": total / seconds,
+        "flops": flops,
+        "flops_per_s": flops / seconds,
+        "kept_tensor_bytes": kept,
+        "kept_bytes_model": cm.cache_bytes(method, total),
+        "rss_baseline_bytes": mem.baseline,
+        "peak_rss_bytes": mem.peak,
+        "peak_delta_bytes": mem.peak_delta,
+        "kept_rss_delta_bytes": mem.kept_delta,
+        "memory_method": mem.method,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def _random_cache(model: torch.nn.Module, length: int, seed: int):
+    """A decoder K/V cache of ``length`` positions filled with random values."""
+    shape = DecoderShape.from_hf_config(model.decoder.config)
+    cache = _new_cache(model)
+    g = torch.Generator().manual_seed(seed)
+    dtype = model.dtype
+    for i in range(shape.layers):
+        k = torch.randn(1, shape.kv_heads, length, shape.head_dim, generator=g).to(dtype)
+        v = torch.randn(1, shape.kv_heads, length, shape.head_dim, generator=g).to(dtype)
+        cache.update(k, v, i)
+    return cache
+
+
+def measure_decode(
+    model: torch.nn.Module, cfg: BenchConfig, method: str, mode: str | None, context: int
+) -> dict[str, Any]:
+    """Greedy decoding speed after ``context`` tokens: one untimed step, then ``decode_tokens`` timed.
+
+    ``method`` ``"full"``: the decoder with a K/V cache of ``context`` positions. ``"cepe"``: ``window``
+    positions in the decoder cache and ``context - window`` encoder states read with cache ``mode``.
+    """
+    cm = cost_model(model, cfg)
+    vocab = int(model.decoder.config.vocab_size)
+    n, s = cm.split(context)
+    with torch.inference_mode():
+        ctx = None
+        if cfg.decode_fill == "prefill":
+            state = prefill(model, cfg, method, random_ids(context, vocab, cfg.seed))
+            cache, ctx = state["cache"], state.get("context")
+            if ctx is not None:
+                ctx.mode = mode
+        elif method == "full":
+            cache = _random_cache(model, context, cfg.seed)
+        else:
+            cache = _random_cache(model, n, cfg.seed)
+            g = torch.Generator().manual_seed(cfg.seed + 2)
+            phi = torch.randn(1, s, model.cepe_config.encoder.hidden_size, generator=g).to(model.dtype)
+            ctx = model.prepare_context(encoder_hidden_states=phi, cross_attention_cache=mode)
+        tok = torch.zeros(1, 1, dtype=torch.long)
+        times = []
+        for step in range(cfg.decode_tokens + 1):
+            t0 = time.perf_counter()
+            if method == "full":
+                out = model.decoder(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            else:
+                out = model(
+                    input_ids=tok, cross_context=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1
+                )
+            tok = out.logits[:, -1:].argmax(-1)
+            if step:  # the first step projects K/V in mode "kv" and warms kernels up
+                times.append(time.perf_counter() - t0)
+        kept = tensor_bytes(cache, ctx)
+    seconds = sum(times)
+    flops = cm.decode_step(method, context, mode or "kv")
+    return {
+        "seconds": seconds,
+        "tokens": len(times),
+        "tokens_per_s": len(times) / seconds,
+        "ms_per_token": 1000 * seconds / len(times),
+        "flops_per_token": flops,
+        "flops_per_s": flops * len(times) / seconds,
+        "kept_tensor_bytes": kept,
+        "fill": cfg.decode_fill,
+    }
+
+
+def run_setting(
+    cfg: BenchConfig, setting: dict[str, Any], model: torch.nn.Module | None = None
+) -> dict[str, Any]:
+    """Measure one setting (building the model unless given); returns the setting with its results."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = model if model is not None else build_model(cfg)
+    if setting["kind"] == "prefill":
+        res = measure_prefill(model, cfg, setting["method"], int(setting["tokens"]))
+    elif setting["kind"] == "decode":
+        res = measure_decode(model, cfg, setting["method"], setting.get("mode"), int(setting["context"]))
+    else:
+        raise ValueError(f"unknown setting kind {setting['kind']!r}")
+    return {**setting, **res, "threads": torch.get_num_threads()}
+
+
+def matmul_peak_flops(size: int = 4096, dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0) -> float:
+    """Measured FLOP/s of a large square matmul in ``dtype`` (best of repeated runs for ``seconds``)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.matmul(a, b)
+    best, start = math.inf, time.perf_counter()
+    while time.perf_counter() - start < seconds or best == math.inf:
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry: ``CONFIG_JSON SETTING_JSON`` -> one JSON line on stdout."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m cepe.bench.runner CONFIG_JSON SETTING_JSON", file=sys.stderr)
+        return 2
+    cfg = BenchConfig.from_dict(json.loads(argv[0]))
+    result = run_setting(cfg, json.loads(argv[1]))
+    print("CEPE_BENCH_RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
