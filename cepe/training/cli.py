@@ -1,0 +1,128 @@
+"""``cepe pretrain-encoder``, ``cepe train`` and ``cepe teacher`` (see :mod:`cepe.training.trainer`).
+
+All take ``--config FILE`` (YAML or JSON) plus ``--set key.sub=value`` overrides; several processes:
+``accelerate launch [--num_processes N] -m cepe.training.cli train --stage cepe --config FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+STAGE_CHOICES = ("warmup", "cepe", "ceped")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    out = list(args.set or [])
+    if args.steps is not None:
+        out.append(f"steps={args.steps}")
+    if args.output_dir is not None:
+        out.append(f"output_dir={args.output_dir}")
+    if args.no_progress:
+        out.append("progress=false")
+    return out
+
+
+def _run_train(args: argparse.Namespace, stage: str) -> int:
+    from .config import load_config
+    from .trainer import train
+
+    cfg = load_config(args.config, _overrides(args), stage=stage)
+    out = train(cfg, resume=args.resume)
+    print(f"wrote {out}")
+    return 0
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    return _run_train(args, "mlm")
+
+
+def _train(args: argparse.Namespace) -> int:
+    return _run_train(args, args.stage)
+
+
+def _teacher(args: argparse.Namespace) -> int:
+    from accelerate import PartialState
+
+    from .config import load_config
+    from .teacher import run_teacher
+
+    cfg = load_config(args.config, _overrides(args), stage="ceped")
+    state = PartialState()
+    out = run_teacher(
+        cfg,
+        num_examples=args.num_examples,
+        rank=state.process_index,
+        world_size=state.num_processes,
+        progress=cfg.progress and state.is_main_process,
+        device=state.device,
+    )
+    state.wait_for_everyone()
+    print(f"wrote {out}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="stage config (YAML or JSON), e.g. configs/train/mini/...")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config field (repeatable), e.g. optim.lr=1e-4",
+    )
+    p.add_argument("--steps", type=int, default=None, help="override steps")
+    p.add_argument("--output-dir", default=None, help="override output_dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``pretrain-encoder``, ``train`` and ``teacher``."""
+    p = subparsers.add_parser(
+        "pretrain-encoder",
+        help="masked-LM pre-training of the context encoder (stage 1)",
+        description="Pre-train the bidirectional context encoder with masked LM (30%% masking, always the "
+        "[MASK] token). The output directory is what later stages read as init_encoder.",
+    )
+    _common(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.set_defaults(func=_pretrain)
+
+    p = subparsers.add_parser(
+        "train",
+        help="train CEPE: copy warmup, CEPE, or CEPED (distillation)",
+        description="Train the encoder and cross-attention of a frozen decoder. Stages in order: warmup "
+        "(copy), cepe, ceped (needs `cepe teacher` first). The output directory is a cepe adapter.",
+    )
+    p.add_argument("--stage", required=True, choices=STAGE_CHOICES)
+    _common(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.set_defaults(func=_train)
+
+    p = subparsers.add_parser(
+        "teacher",
+        help="CEPED teacher pass: store the decoder's top-k distributions on concat(C, X)",
+        description="Run the instruction-tuned decoder on the full window of each CEPED example and store its "
+        "top-k next-token probabilities (fp16) and ids (int32) in teacher_dir. Resumable.",
+    )
+    _common(p)
+    p.add_argument("--num-examples", type=int, default=None, help="default: steps × batch_size")
+    p.set_defaults(func=_teacher)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run these sub-commands without the rest of ``cepe`` (``python -m cepe.training.cli ...``)."""
+    parser = argparse.ArgumentParser(prog="cepe-train")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cepe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

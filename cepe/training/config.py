@@ -1,0 +1,373 @@
+"""Training configuration: validated dataclasses loaded from YAML or JSON, with ``key.sub=value`` overrides.
+
+One :class:`TrainConfig` describes one stage (``mlm``, ``warmup``, ``cepe``, ``ceped``). Sizes follow the
+paper's notation: n decoder tokens, K chunks of L tokens (m = K·L encoder tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STAGES = ("mlm", "warmup", "cepe", "ceped")
+KL_FORMS = ("renorm", "other")
+SYNTHETIC_KINDS = ("random", "motif")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class DataConfig:
+    """Where training windows come from.
+
+    Attributes:
+        corpus: a tokenized corpus directory written by ``cepe prepare-data --out DIR``.
+        split: the corpus split to train on.
+        ratio: ``(filter, cat)`` mixture ratio of the sequence builders (paper 2:1).
+        filter_domains: domains eligible for *filter* windows (None = all).
+        synthetic: instead of a corpus, ``"random"`` tokens or repeated random ``"motif"`` s (tests, smoke
+            runs); needs no files.
+        synthetic_vocab: token ids drawn by the synthetic source (default: the decoder's vocabulary).
+        seed: changes every window and every random mask.
+    """
+
+    corpus: str | None = None
+    split: str = "train"
+    ratio: list[int] = field(default_factory=lambda: [2, 1])
+    filter_domains: list[str] | None = None
+    synthetic: str | None = None
+    synthetic_vocab: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check(
+            (self.corpus is None) != (self.synthetic is None),
+            "data: give exactly one of data.corpus (a directory from `cepe prepare-data`) or data.synthetic "
+            f"({' | '.join(SYNTHETIC_KINDS)})",
+        )
+        if self.synthetic is not None:
+            _check(
+                self.synthetic in SYNTHETIC_KINDS,
+                f"data.synthetic must be one of {SYNTHETIC_KINDS}, got {self.synthetic!r}",
+            )
+        _check(len(self.ratio) == 2, f"data.ratio must be [filter, cat], got {self.ratio!r}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay (paper: betas 0.9/0.999, eps 1e-8, 4 % warmup)."""
+
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def validate(self) -> None:
+        _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        _check(len(self.betas) == 2, f"optim.betas must be two numbers, got {self.betas!r}")
+        _check(
+            0.0 <= self.warmup_ratio < 1.0, f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}"
+        )
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
+        )
+
+
+@dataclass
+class TrainConfig:
+    """One training stage.
+
+    Model:
+        decoder: the frozen decoder (``"default"``, a directory or hub id); ignored with ``tiny_decoder``.
+        tiny_decoder: a dict of ``LlamaConfig`` fields: build a small random decoder in code (tests).
+        decoder_dtype: ``"float32"`` or ``"bfloat16"`` weights for the frozen decoder.
+        encoder: ``EncoderConfig`` fields (``vocab_size`` / ``mask_token_id`` are filled from the decoder:
+            its vocabulary plus one ``[MASK]`` token).
+        cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...).
+        init_encoder: an MLM stage output directory; the encoder starts from it (warmup).
+        init_adapter: a cepe adapter directory (a previous stage's output) to continue from.
+
+    Layout:
+        mlm_seq_length, mask_rate: MLM sequences (paper 512, 30 %).
+        warmup_tokens, warmup_chunks: copy warmup: n tokens to both sides, the encoder as k chunks (256, 4).
+        n_decoder, chunk_length, n_chunks: CEPE / CEPED: the last n tokens to the decoder, the first K·L
+            as K chunks to the encoder (paper 4096 + 16×256).
+        chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
+            that the student sees what the teacher saw).
+
+    CEPED:
+        teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
+        teacher_decoder: the teacher (default: ``decoder``), run on concat(C, X) in its own context.
+        teacher_examples_per_shard: examples per teacher shard file.
+        top_k: stored teacher tokens per position (50).
+        ce_coef, kl_coef: loss = ce_coef·CE + kl_coef·KL (paper 1 and 2).
+        kl_form: ``"renorm"`` (both distributions renormalised over the teacher's top-k, the paper's form)
+            or ``"other"`` (a (k+1)-th bucket holding the leftover mass, teacher smoothed by
+            ``kl_smoothing``).
+
+    Loop:
+        steps: optimizer steps. batch_size: examples per optimizer step over all processes.
+        micro_batch_size: examples per forward per process (accumulation fills the rest).
+        bf16: bf16 autocast (fp32 losses). gradient_checkpointing: recompute activations in backward.
+        save_every, keep_checkpoints, log_every, seed, progress, num_threads: as named.
+    """
+
+    stage: str
+    output_dir: str
+    decoder: str = "default"
+    tiny_decoder: dict[str, Any] | None = None
+    decoder_dtype: str = "float32"
+    encoder: dict[str, Any] = field(default_factory=dict)
+    cepe: dict[str, Any] = field(default_factory=dict)
+    init_encoder: str | None = None
+    init_adapter: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    # layouts
+    mlm_seq_length: int = 512
+    mask_rate: float = 0.3
+    warmup_tokens: int = 256
+    warmup_chunks: int = 4
+    n_decoder: int = 4096
+    chunk_length: int = 256
+    n_chunks: int = 16
+    chunk_noise: float | None = None
+    chunk_noise_whole: float = 0.1
+    # CEPED
+    teacher_dir: str | None = None
+    teacher_decoder: str | None = None
+    teacher_examples_per_shard: int = 64
+    top_k: int = 50
+    ce_coef: float = 1.0
+    kl_coef: float = 2.0
+    kl_form: str = "renorm"
+    kl_smoothing: float = 1e-4
+    # loop
+    steps: int = 100
+    batch_size: int = 8
+    micro_batch_size: int = 1
+    bf16: bool = True
+    gradient_checkpointing: bool = False
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    seed: int = 0
+    progress: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, dict):
+            self.data = _build(DataConfig, self.data, "data")
+        if isinstance(self.optim, dict):
+            self.optim = _build(OptimConfig, self.optim, "optim")
+        if self.chunk_noise is None:
+            self.chunk_noise = 0.0 if self.stage == "ceped" else 0.3
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field and what to change."""
+        _check(self.stage in STAGES, f"stage must be one of {STAGES}, got {self.stage!r}")
+        _check(bool(self.output_dir), "output_dir must be set")
+        self.data.validate()
+        self.optim.validate()
+        for name in ("steps", "batch_size", "micro_batch_size", "save_every", "log_every", "top_k"):
+            _check(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        for name in (
+            "mlm_seq_length",
+            "warmup_tokens",
+            "warmup_chunks",
+            "n_decoder",
+            "chunk_length",
+            "n_chunks",
+        ):
+            _check(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _check(0.0 < self.mask_rate < 1.0, f"mask_rate must be in (0, 1), got {self.mask_rate}")
+        _check(
+            self.warmup_tokens % self.warmup_chunks == 0,
+            f"warmup_tokens {self.warmup_tokens} must be a multiple of warmup_chunks {self.warmup_chunks}",
+        )
+        _check(0.0 <= self.chunk_noise <= 1.0, f"chunk_noise must be in [0, 1], got {self.chunk_noise}")
+        _check(
+            0.0 <= self.chunk_noise_whole <= 1.0,
+            f"chunk_noise_whole must be in [0, 1], got {self.chunk_noise_whole}",
+        )
+        _check(self.kl_form in KL_FORMS, f"kl_form must be one of {KL_FORMS}, got {self.kl_form!r}")
+        _check(self.decoder_dtype in ("float32", "bfloat16"), "decoder_dtype must be float32 or bfloat16")
+        _check(
+            self.decoder_dtype == "float32" or self.bf16,
+            "decoder_dtype bfloat16 needs bf16 autocast (bf16: true) so that fp32 cross-attention matches it",
+        )
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints must be at least 1")
+        _check(
+            self.batch_size % self.micro_batch_size == 0,
+            f"batch_size {self.batch_size} must be a multiple of micro_batch_size {self.micro_batch_size}",
+        )
+        if self.stage == "ceped":
+            _check(
+                bool(self.teacher_dir),
+                "stage ceped needs teacher_dir (where `cepe teacher --config FILE` writes the teacher outputs)",
+            )
+        if self.stage == "mlm":
+            _check(self.init_adapter is None, "the mlm stage trains the encoder alone; remove init_adapter")
+        for key in ("vocab_size", "mask_token_id"):
+            _check(key not in self.encoder, f"encoder.{key} is filled from the decoder; remove it")
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def window_length(self) -> int:
+        """Tokens per training window: T of the stage's layout."""
+        if self.stage == "mlm":
+            return self.mlm_seq_length
+        if self.stage == "warmup":
+            return self.warmup_tokens
+        return self.n_chunks * self.chunk_length + self.n_decoder
+
+    @property
+    def stage_chunk_length(self) -> int:
+        """L, encoder tokens per chunk in this stage."""
+        return self.warmup_tokens // self.warmup_chunks if self.stage == "warmup" else self.chunk_length
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each of ``world_size`` processes."""
+        per = self.micro_batch_size * world_size
+        _check(
+            self.batch_size % per == 0,
+            f"batch_size {self.batch_size} is not a multiple of micro_batch_size × processes = "
+            f"{self.micro_batch_size} × {world_size}; change batch_size or micro_batch_size",
+        )
+        return self.batch_size // per
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A hash of everything that changes the computed losses (not paths, logging or step counts)."""
+        d = self.to_dict()
+        for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
+            d.pop(key, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    _check(not unknown, f"unknown {where} keys {unknown}; known keys are {sorted(known)}")
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    _check(not missing, f"{where} is missing required keys {missing}")
+    data = {k: _coerce(cls, k, v, where) for k, v in data.items()}
+    try:
+        return cls(**data)
+    except TypeError as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
+    """Numbers written as strings (YAML reads ``1e-3`` as text) become the field's number type."""
+    kind = str({f.name: f.type for f in dataclasses.fields(cls)}[name])
+    base = kind.replace(" | None", "")
+    if value is None or base not in ("float", "int", "bool"):
+        return value
+    if base == "bool":
+        _check(isinstance(value, bool), f"{where}.{name} must be true or false, got {value!r}")
+        return value
+    try:
+        number = float(value) if base == "float" else int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.{name} must be a number ({base}), got {value!r}") from None
+    if base == "int" and isinstance(value, float) and value != number:
+        raise ValueError(f"{where}.{name} must be an integer, got {value!r}")
+    return number
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` strings (values parsed as YAML) to a raw config mapping."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value or section.key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return out
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or JSON config file into a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {p} not found")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: a config must be a mapping of keys to values")
+    return data
+
+
+def load_config(
+    path: str | os.PathLike[str] | dict[str, Any],
+    overrides: list[str] | None = None,
+    stage: str | None = None,
+) -> TrainConfig:
+    """Load and validate a stage config.
+
+    Args:
+        path: a YAML/JSON file, or an already read mapping.
+        overrides: ``key.sub=value`` strings applied before validation.
+        stage: the stage the caller runs; must agree with the file's ``stage`` (filled in if absent).
+
+    Raises:
+        ValueError: unknown keys, bad values or a stage mismatch (the message names the field).
+    """
+    data = read_config_file(path) if not isinstance(path, dict) else dict(path)
+    data = apply_overrides(data, list(overrides or []))
+    if stage is not None:
+        if data.get("stage", stage) != stage:
+            raise ValueError(
+                f"the config is for stage {data['stage']!r} but stage {stage!r} was requested; "
+                "pass the matching --stage or config file"
+            )
+        data["stage"] = stage
+    return _build(TrainConfig, data, "config")

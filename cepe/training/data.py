@@ -1,0 +1,132 @@
+"""Training examples of each stage as pure functions of ``(config, example index)``.
+
+Every random choice (the window, the MLM mask, the chunk noise) is seeded by the example index, so a
+resumed run, or another process, builds exactly the same examples.
+
+Shape legend: B batch, K chunks, L chunk length, T window tokens, n decoder tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+
+_MLM_TAG, _NOISE_TAG, _SYNTH_TAG = 11, 13, 17
+
+
+def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
+    """A torch generator seeded by ``(seed, tag, index)`` (independent streams per use and example)."""
+    mixed = np.random.SeedSequence([int(seed), int(tag), int(index)]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(mixed[0]) << 31 ^ int(mixed[1]))
+
+
+class SyntheticWindows:
+    """Token windows that need no files: ``"random"`` uniform tokens, or a ``"motif"`` of 3-12 random
+    tokens repeated (predictable from context, so every stage has something to learn)."""
+
+    def __init__(self, kind: str, vocab_size: int, seq_length: int, seed: int = 0) -> None:
+        self.kind, self.vocab_size, self.seq_length, self.seed = kind, int(vocab_size), int(seq_length), seed
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = example_generator(self.seed, _SYNTH_TAG, i)
+        if self.kind == "random":
+            return torch.randint(0, self.vocab_size, (self.seq_length,), generator=g)
+        period = int(torch.randint(3, 13, (1,), generator=g))
+        motif = torch.randperm(self.vocab_size, generator=g)[:period]
+        reps = -(-self.seq_length // period)
+        return motif.repeat(reps)[: self.seq_length].clone()
+
+
+def window_source(cfg: TrainConfig, vocab_size: int) -> Any:
+    """The indexable source of ``(T,)`` windows for ``cfg`` (``src[i]``, any ``i >= 0``).
+
+    Args:
+        vocab_size: the decoder's vocabulary (bounds synthetic tokens; checked against the corpus).
+    """
+    d = cfg.data
+    if d.synthetic is not None:
+        return SyntheticWindows(d.synthetic, d.synthetic_vocab or vocab_size, cfg.window_length, d.seed)
+    from cepe.data.sequences import SequenceMixture
+    from cepe.data.tokenized import TokenizedCorpus
+
+    corpus = TokenizedCorpus(d.corpus)
+    if corpus.vocab_size > vocab_size:
+        raise ValueError(
+            f"corpus {d.corpus} was tokenized with a {corpus.vocab_size}-token vocabulary but the decoder has "
+            f"{vocab_size}; prepare the data with the decoder's tokenizer (cepe prepare-data --tokenizer)"
+        )
+    return SequenceMixture(
+        corpus,
+        d.split,
+        seq_length=cfg.window_length,
+        ratio=(int(d.ratio[0]), int(d.ratio[1])),
+        seed=d.seed,
+        filter_domains=d.filter_domains,
+    )
+
+
+def chunk_noise_mask(
+    mask: torch.Tensor, p_mask: float, p_whole: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Chunk-masking noise (Appendix A) on a ``(K, L)`` or ``(B, K, L)`` bool mask; see
+    :func:`cepe.data.sequences.mask_encoder_chunks`. Masked tokens leave the encoder attention mask."""
+    from cepe.data.sequences import mask_encoder_chunks
+
+    return mask_encoder_chunks(mask, p_mask=p_mask, p_whole=p_whole, generator=generator)
+
+
+def build_example(cfg: TrainConfig, window: torch.Tensor, index: int, mask_token_id: int | None) -> dict:
+    """The model inputs of global example ``index`` for ``cfg.stage`` from its window ``(T,)``.
+
+    Returns:
+        mlm: ``{"input_ids": (T,), "labels": (T,)}``;
+        warmup / cepe / ceped: ``{"input_ids": (n,), "labels": (n,), "encoder_input_ids": (K, L),
+        "encoder_attention_mask": (K, L) bool}`` plus ``"index"``.
+    """
+    from cepe.data.sequences import mlm_example, split_for_cepe, split_for_warmup
+
+    seed = cfg.data.seed
+    if cfg.stage == "mlm":
+        if mask_token_id is None:
+            raise ValueError("the mlm stage needs a mask token id")
+        ids, labels = mlm_example(
+            window, mask_token_id, cfg.mask_rate, generator=example_generator(seed, _MLM_TAG, index)
+        )
+        return {"input_ids": ids, "labels": labels, "index": torch.tensor(index)}
+    if cfg.stage == "warmup":
+        enc, dec = split_for_warmup(window, cfg.warmup_tokens, cfg.warmup_chunks)
+        mask = torch.ones_like(enc, dtype=torch.bool)
+    else:
+        enc, dec = split_for_cepe(window, cfg.n_decoder, cfg.chunk_length, cfg.n_chunks)
+        mask = torch.ones_like(enc, dtype=torch.bool)
+        if cfg.chunk_noise > 0:
+            g = example_generator(seed, _NOISE_TAG, index)
+            mask = chunk_noise_mask(mask, cfg.chunk_noise, cfg.chunk_noise_whole, g)
+    return {
+        "input_ids": dec,
+        "labels": dec.clone(),
+        "encoder_input_ids": enc,
+        "encoder_attention_mask": mask,
+        "index": torch.tensor(index),
+    }
+
+
+def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack examples of equal shapes into a batch (leading B)."""
+    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def example_indices(
+    step: int, batch_size: int, micro: int, micro_batch: int, rank: int, world: int
+) -> list[int]:
+    """Global example indices of micro-batch ``micro`` of optimizer step ``step`` on process ``rank``.
+
+    Step ``s`` consumes examples ``[s·batch_size, (s+1)·batch_size)``, dealt out micro-batch by micro-batch
+    and process by process, so the examples do not depend on how a run was interrupted.
+    """
+    start = step * batch_size + (micro * world + rank) * micro_batch
+    return list(range(start, start + micro_batch))

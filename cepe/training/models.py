@@ -1,0 +1,219 @@
+"""Building the model of each stage, and :class:`StageModule`, the loss of one micro-batch.
+
+Shape legend: B batch, K chunks, L chunk length, T decoder tokens, V vocabulary, k teacher tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from cepe.config import CepeConfig, EncoderConfig
+from cepe.encoder import EncoderForMaskedLM
+from cepe.modeling import CepeForCausalLM
+
+from .config import TrainConfig
+from .losses import topk_kl
+
+ENCODER_WEIGHTS = "encoder_model.safetensors"
+ENCODER_CONFIG = "encoder_config.json"
+MLM_WEIGHTS = "mlm_model.safetensors"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_decoder(cfg: TrainConfig, name: str | None = None) -> nn.Module:
+    """The frozen decoder: a tiny random Llama from ``cfg.tiny_decoder`` or a loaded model (eval mode)."""
+    if cfg.tiny_decoder is not None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        spec = dict(cfg.tiny_decoder)
+        seed = int(spec.pop("seed", 0))
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**spec)).eval()
+        model.config._name_or_path = "tiny"
+        return model.to(_DTYPES[cfg.decoder_dtype])
+    from cepe.assets import load_decoder_model
+
+    return load_decoder_model(name or cfg.decoder, dtype=_DTYPES[cfg.decoder_dtype])
+
+
+def decoder_vocab_size(cfg: TrainConfig) -> int:
+    """The decoder's vocabulary size, read from its config (no weights loaded)."""
+    if cfg.tiny_decoder is not None:
+        from transformers import LlamaConfig
+
+        spec = {k: v for k, v in cfg.tiny_decoder.items() if k != "seed"}
+        return int(LlamaConfig(**spec).vocab_size)
+    from transformers import AutoConfig
+
+    from cepe.assets import resolve_decoder
+
+    return int(AutoConfig.from_pretrained(resolve_decoder(cfg.decoder)).vocab_size)
+
+
+def encoder_config(cfg: TrainConfig, vocab: int) -> EncoderConfig:
+    """The stage's encoder: ``cfg.encoder`` fields over the decoder vocabulary plus one ``[MASK]`` token, or
+    the configuration saved with ``cfg.init_encoder``."""
+    if cfg.init_encoder is not None:
+        return load_encoder_config(cfg.init_encoder)
+    return EncoderConfig(vocab_size=vocab + 1, mask_token_id=vocab, **cfg.encoder)
+
+
+def load_encoder_config(path: str | Path) -> EncoderConfig:
+    """The :class:`EncoderConfig` of an MLM stage output directory."""
+    p = Path(path) / ENCODER_CONFIG
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"{p} not found: init_encoder must be the output_dir of a finished `cepe pretrain-encoder` run"
+        )
+    return EncoderConfig(**json.loads(p.read_text()))
+
+
+def save_encoder(mlm: EncoderForMaskedLM, out_dir: str | Path) -> None:
+    """Write the MLM stage artifact: ``encoder_model.safetensors`` (the ``ContextEncoder`` weights that
+    CEPE starts from), ``mlm_model.safetensors`` (with the head) and ``encoder_config.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    enc = {k: v.detach().contiguous() for k, v in mlm.encoder.state_dict().items()}
+    full = {k: v.detach().contiguous() for k, v in mlm.state_dict().items()}
+    for name, tensors in ((ENCODER_WEIGHTS, enc), (MLM_WEIGHTS, full)):
+        save_file(tensors, out / f".{name}.tmp", metadata={"format": "pt"})
+        (out / f".{name}.tmp").replace(out / name)
+    tmp = out / f".{ENCODER_CONFIG}.tmp"
+    tmp.write_text(json.dumps(mlm.encoder.config.__dict__, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / ENCODER_CONFIG)
+
+
+def load_encoder_weights(model: CepeForCausalLM, path: str | Path) -> None:
+    """Load an MLM stage output's encoder into ``model.encoder`` (strict: names and shapes must match)."""
+    state = load_file(Path(path) / ENCODER_WEIGHTS)
+    missing, unexpected = model.encoder.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"encoder weights in {path} do not fit the model's encoder: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The trainable model of ``cfg.stage``: :class:`EncoderForMaskedLM` (mlm) or :class:`CepeForCausalLM`
+    with a frozen decoder (warmup / cepe / ceped), initialised from ``init_encoder`` / ``init_adapter``."""
+    if cfg.stage == "mlm":
+        torch.manual_seed(cfg.seed)
+        enc = encoder_config(cfg, decoder_vocab_size(cfg))
+        cepe_kw = cfg.cepe or {}
+        return EncoderForMaskedLM(enc, cepe_kw.get("attn_implementation", "sdpa"))
+    decoder = build_decoder(cfg)
+    torch.manual_seed(cfg.seed)
+    if cfg.init_adapter is not None:
+        model = CepeForCausalLM.from_pretrained(cfg.init_adapter, decoder=decoder)
+        if model.cepe_config.chunk_length != cfg.stage_chunk_length:
+            model.cepe_config.chunk_length = cfg.stage_chunk_length
+    else:
+        vocab = int(decoder.config.vocab_size)
+        kw = dict(cfg.cepe)
+        kw.setdefault("chunk_length", cfg.stage_chunk_length)
+        if cfg.stage != "warmup":
+            kw.setdefault("train_context_tokens", cfg.n_chunks * cfg.chunk_length)
+        cepe_cfg = CepeConfig(encoder=encoder_config(cfg, vocab), **kw)
+        if cepe_cfg.decoder_name_or_path is None:
+            cepe_cfg.decoder_name_or_path = "tiny" if cfg.tiny_decoder is not None else cfg.decoder
+        model = CepeForCausalLM.from_decoder(decoder, cepe_cfg)
+        if cfg.init_encoder is not None:
+            load_encoder_weights(model, cfg.init_encoder)
+    for m in model.cross_attention_modules():
+        m.float()  # trainable weights stay fp32 (AdamW) even over a bf16 decoder
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates (all of the MLM model; the encoder and cross-attention of CEPE)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class StageModule(nn.Module):
+    """Wraps the stage's model so that the whole loss runs inside one ``forward`` (one DDP call).
+
+    ``forward(batch)`` returns ``(loss, metrics)``; the loss is fp32 (logits cast before the softmax),
+    the forward runs under bf16 autocast when ``bf16``. With gradient checkpointing the cross-attention
+    context stays installed until :meth:`release` (recomputation in backward reads it); call
+    :meth:`release` after ``backward``.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.model = model
+        self.stage = cfg.stage
+        self.bf16 = cfg.bf16
+        self.ce_coef, self.kl_coef = cfg.ce_coef, cfg.kl_coef
+        self.kl_form, self.kl_smoothing = cfg.kl_form, cfg.kl_smoothing
+        self._held = contextlib.ExitStack()
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+
+    def release(self) -> None:
+        """Uninstall the context kept for backward recomputation."""
+        self._held.close()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        device = batch["input_ids"].device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            if self.stage == "mlm":
+                loss, _ = self.model(batch["input_ids"], labels=batch["labels"])
+                return loss, {}
+            m: CepeForCausalLM = self.model
+            ctx = m.prepare_context(
+                batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
+            )
+            self._held.close()
+            self._held.enter_context(m.use_context(ctx))
+            if self.stage != "ceped":
+                out = m(batch["input_ids"], labels=batch["labels"], cross_context=ctx)
+                return out.loss, {}
+            hidden = m.decoder.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # (B, T, D)
+            logits = m.lm_logits(hidden[:, :-1])  # (B, T-1, V): position t predicts token t+1
+        v = logits.shape[-1]
+        flat = logits.reshape(-1, v)
+        ce = F.cross_entropy(flat.float(), batch["labels"][:, 1:].reshape(-1))
+        probs, idx = batch["teacher_probs"], batch["teacher_indices"]  # (B, T-1, k)
+        kl = topk_kl(
+            flat,
+            probs.reshape(-1, probs.shape[-1]),
+            idx.reshape(-1, idx.shape[-1]),
+            self.kl_form,
+            self.kl_smoothing,
+        )
+        loss = self.ce_coef * ce + self.kl_coef * kl
+        return loss, {"ce": ce.detach(), "kl": kl.detach()}
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward: the context encoder's layers and (for CEPE) the decoder's.
+
+    The frozen decoder's layers are put in training mode for this (Llama-style decoders have no dropout;
+    HF only checkpoints layers in training mode).
+    """
+    if isinstance(model, EncoderForMaskedLM):
+        model.encoder.gradient_checkpointing = True
+        return
+    model.encoder.gradient_checkpointing = True
+    model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model._train_decoder_layers = True  # read by set_train_mode
+
+
+def set_train_mode(model: nn.Module) -> None:
+    """``model.train()``, keeping the frozen decoder in eval mode except its layers under checkpointing."""
+    model.train()
+    if getattr(model, "_train_decoder_layers", False):
+        from cepe.wrapping import decoder_layers
+
+        for layer in decoder_layers(model.decoder):
+            layer.train()

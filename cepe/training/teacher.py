@@ -1,0 +1,170 @@
+"""CEPED teacher pass: the instruction-tuned decoder reads concat(C, X) in its own context; its top-k
+next-token probabilities on X are stored on disk for the distillation loss.
+
+Layout of ``teacher_dir``: ``manifest.json`` and ``shard_000000.safetensors``, ... each holding
+``probs`` ``(S, n-1, k)`` fp16 and ``indices`` ``(S, n-1, k)`` int32 for examples ``[j·S, (j+1)·S)`` (S =
+examples per shard). Row t of an example is the teacher's distribution of decoder token t+1 (the same
+positions the student is trained on). Shards are written atomically and skipped when present, so the
+pass resumes after an interruption and can be split over processes.
+
+Shape legend: S examples per shard, n decoder tokens, k stored tokens, T = K·L + n window tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import TrainConfig
+from .data import window_source
+from .losses import teacher_topk
+
+MANIFEST = "manifest.json"
+
+
+def teacher_manifest(cfg: TrainConfig, num_examples: int) -> dict[str, Any]:
+    """What the stored outputs depend on; training refuses a teacher directory that disagrees."""
+    return {
+        "format": "cepe-teacher-1",
+        "teacher": cfg.teacher_decoder or ("tiny" if cfg.tiny_decoder is not None else cfg.decoder),
+        "n_decoder": cfg.n_decoder,
+        "chunk_length": cfg.chunk_length,
+        "n_chunks": cfg.n_chunks,
+        "top_k": cfg.top_k,
+        "examples_per_shard": cfg.teacher_examples_per_shard,
+        "num_examples": int(num_examples),
+        "data": cfg.to_dict()["data"],
+    }
+
+
+def _shard_path(root: Path, j: int) -> Path:
+    return root / f"shard_{j:06d}.safetensors"
+
+
+def run_teacher(
+    cfg: TrainConfig,
+    num_examples: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+    device: str | torch.device | None = None,
+) -> Path:
+    """Compute and store the teacher's top-k distributions for the first ``num_examples`` CEPED examples.
+
+    Args:
+        cfg: the ``ceped`` stage config (layout, data, ``teacher_dir``, ``top_k``).
+        num_examples: default ``cfg.steps × cfg.batch_size`` (every example training will read).
+        rank, world_size: this process takes shards ``rank, rank + world_size, ...``.
+        device: where the teacher runs (default CPU).
+
+    Returns:
+        ``teacher_dir``.
+
+    Raises:
+        ValueError: the window does not fit the teacher's positions, or ``teacher_dir`` holds outputs of
+            another configuration.
+    """
+    from tqdm.auto import tqdm
+
+    from .models import build_decoder
+
+    if cfg.stage != "ceped":
+        raise ValueError(f"the teacher pass belongs to stage ceped, the config is for {cfg.stage!r}")
+    total = int(num_examples if num_examples is not None else cfg.steps * cfg.batch_size)
+    root = Path(cfg.teacher_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = teacher_manifest(cfg, total)
+    mpath = root / MANIFEST
+    if mpath.is_file():
+        old = json.loads(mpath.read_text())
+        diff = sorted(k for k in manifest if k != "num_examples" and old.get(k) != manifest[k])
+        if diff:
+            raise ValueError(
+                f"{root} holds teacher outputs of another configuration (differs in {diff}); use a new "
+                "teacher_dir or delete it"
+            )
+        manifest["num_examples"] = max(total, int(old.get("num_examples", 0)))
+    if rank == 0:
+        tmp = root / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, mpath)
+
+    dev = torch.device(device or "cpu")
+    teacher = build_decoder(cfg, cfg.teacher_decoder).to(dev)
+    limit = getattr(teacher.config, "max_position_embeddings", None)
+    if limit is not None and cfg.window_length > int(limit):
+        raise ValueError(
+            f"the teacher reads concat(C, X) = {cfg.window_length} tokens but has {limit} positions; "
+            "lower n_decoder or n_chunks × chunk_length"
+        )
+    vocab = int(teacher.config.vocab_size)
+    source = window_source(cfg, vocab)
+    per = cfg.teacher_examples_per_shard
+    shards = [j for j in range(-(-total // per)) if j % world_size == rank]
+    todo = [j for j in shards if not _shard_path(root, j).is_file()]
+    m = cfg.n_chunks * cfg.chunk_length
+    bar = tqdm(total=len(todo), desc="teacher", unit="shard", disable=not progress)
+    for j in todo:
+        probs, idx = [], []
+        for start in range(j * per, (j + 1) * per, cfg.micro_batch_size):
+            stop = min(start + cfg.micro_batch_size, (j + 1) * per)
+            ids = torch.stack([source[i] for i in range(start, stop)]).to(dev)  # (B, T)
+            with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                hidden = teacher.get_decoder()(input_ids=ids).last_hidden_state[:, m:-1]  # (B, n-1, D)
+                logits = teacher.get_output_embeddings()(hidden)
+            p, i = teacher_topk(logits, cfg.top_k)
+            probs.append(p.cpu())
+            idx.append(i.cpu())
+        out = _shard_path(root, j)
+        tmp = out.with_name(f".{out.name}.tmp")
+        save_file({"probs": torch.cat(probs), "indices": torch.cat(idx)}, tmp, metadata={"format": "pt"})
+        os.replace(tmp, out)
+        bar.update(1)
+    bar.close()
+    return root
+
+
+class TeacherStore:
+    """Read access to a teacher directory written by :func:`run_teacher`.
+
+    Raises:
+        ValueError: missing directory or manifest, or a layout that differs from ``cfg``.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.root = Path(cfg.teacher_dir)
+        mpath = self.root / MANIFEST
+        if not mpath.is_file():
+            raise ValueError(
+                f"no teacher outputs in {self.root}: run `cepe teacher --config FILE` with this config first"
+            )
+        self.manifest = json.loads(mpath.read_text())
+        want = teacher_manifest(cfg, 0)
+        diff = sorted(k for k in want if k != "num_examples" and self.manifest.get(k) != want[k])
+        if diff:
+            raise ValueError(
+                f"teacher outputs in {self.root} were computed for another configuration (differs in {diff}); "
+                "rerun `cepe teacher` into a new teacher_dir"
+            )
+        self.per = int(self.manifest["examples_per_shard"])
+        self.num_examples = int(self.manifest["num_examples"])
+        self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs (n-1, k) fp16, indices (n-1, k) int64)`` of global example ``index``."""
+        j, r = divmod(int(index), self.per)
+        if self._cache is None or self._cache[0] != j:
+            path = _shard_path(self.root, j)
+            if not path.is_file():
+                raise ValueError(
+                    f"teacher shard {path.name} (example {index}) is missing in {self.root}: the teacher pass "
+                    f"covers {self.num_examples} examples; rerun `cepe teacher` (it resumes) with enough steps"
+                )
+            self._cache = (j, load_file(path))
+        shard = self._cache[1]
+        return shard["probs"][r], shard["indices"][r].long()
