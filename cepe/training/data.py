@@ -25,8 +25,8 @@ def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
 
 
 class SyntheticWindows:
-    """Token windows that need no files: ``"random"`` uniform tokens, or a ``"motif"`` of 3-12 random
-    tokens repeated (predictable from context, so every stage has something to learn)."""
+    """Token windows that need no files: ``"random"`` uniform tokens, or a ``"motif"`` of 3-12 Zipf-distributed
+    tokens repeated (frequencies learnable at once, the rest predictable from context)."""
 
     def __init__(self, kind: str, vocab_size: int, seq_length: int, seed: int = 0) -> None:
         self.kind, self.vocab_size, self.seq_length, self.seed = kind, int(vocab_size), int(seq_length), seed
@@ -36,7 +36,8 @@ class SyntheticWindows:
         if self.kind == "random":
             return torch.randint(0, self.vocab_size, (self.seq_length,), generator=g)
         period = int(torch.randint(3, 13, (1,), generator=g))
-        motif = torch.randperm(self.vocab_size, generator=g)[:period]
+        zipf = 1.0 / torch.arange(1, self.vocab_size + 1, dtype=torch.float64)
+        motif = torch.multinomial(zipf, period, replacement=True, generator=g)
         reps = -(-self.seq_length // period)
         return motif.repeat(reps)[: self.seq_length].clone()
 

@@ -1,0 +1,289 @@
+"""Training stages on tiny configs (CPU, seconds): losses fall, resume is exact, the decoder stays frozen,
+chunk noise and the distillation KL match their definitions, every shipped config loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cepe import CepeForCausalLM
+from cepe.training.config import load_config
+from cepe.training.data import chunk_noise_mask
+from cepe.training.losses import topk_kl
+from cepe.training.teacher import TeacherStore, run_teacher
+from cepe.training.trainer import read_log, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny"
+SHIPPED = sorted((ROOT / "configs" / "train").rglob("*.yaml"))
+
+
+def _cfg(name: str, out: Path, **over):
+    items = [f"output_dir={out}", "progress=false", "num_threads=1"] + [f"{k}={v}" for k, v in over.items()]
+    return load_config(TINY / f"{name}.yaml", items)
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_log(out)]
+
+
+def _falls(losses: list[float], k: int = 4) -> bool:
+    return sum(losses[-k:]) / k < sum(losses[:k]) / k
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """Run mlm -> warmup -> cepe on tiny configs once; later tests read the outputs."""
+    root = tmp_path_factory.mktemp("stages")
+    mlm = train(_cfg("mlm", root / "mlm", steps=30, save_every=15))
+    warm = train(_cfg("warmup", root / "warmup", init_encoder=mlm, steps=20, save_every=10))
+    cepe = train(_cfg("cepe", root / "cepe", init_adapter=warm, steps=24, save_every=12))
+    return {"mlm": mlm, "warmup": warm, "cepe": cepe, "root": root}
+
+
+def test_mlm_loss_falls_and_writes_encoder(stages):
+    out = stages["mlm"]
+    assert _falls(_losses(out))
+    assert (out / "encoder_model.safetensors").is_file() and (out / "encoder_config.json").is_file()
+    assert len(read_log(out)) == 30
+
+
+def test_warmup_and_cepe_write_loadable_adapters(stages):
+    for name in ("warmup", "cepe"):
+        assert _falls(_losses(stages[name])), name
+    cfg = _cfg("cepe", stages["root"] / "x")
+    from cepe.training.models import build_decoder
+
+    model = CepeForCausalLM.from_pretrained(stages["cepe"], decoder=build_decoder(cfg))
+    saved = load_file(stages["cepe"] / "adapter_model.safetensors")
+    for k, v in model.adapter_state_dict().items():
+        assert torch.equal(v, saved[k])
+    # warmup started from the MLM encoder
+    enc = load_file(stages["mlm"] / "encoder_model.safetensors")
+    assert enc["embed_tokens.weight"].shape[0] == 129
+
+
+def test_decoder_weights_untouched(tmp_path):
+    from cepe.training.models import build_decoder
+
+    cfg = _cfg("cepe", tmp_path / "c", init_adapter="null", steps=3)
+    before = {k: v.clone() for k, v in build_decoder(cfg).state_dict().items()}
+    import cepe.training.trainer as trainer_mod
+
+    seen = {}
+    orig = trainer_mod.build_model
+
+    def spy(c):
+        model = orig(c)
+        seen["model"] = model
+        return model
+
+    trainer_mod.build_model = spy
+    try:
+        train(cfg)
+    finally:
+        trainer_mod.build_model = orig
+    after = {k: v for k, v in seen["model"].decoder.state_dict().items() if ".cross_attn." not in k}
+    assert set(after) == set(before)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert all(
+        not p.requires_grad for n, p in seen["model"].decoder.named_parameters() if ".cross_attn." not in n
+    )
+
+
+def test_resume_reproduces_losses_exactly(tmp_path):
+    straight = train(_cfg("cepe", tmp_path / "a", init_adapter="null", steps=6, save_every=3))
+    cfg = _cfg("cepe", tmp_path / "b", init_adapter="null", steps=6, save_every=3)
+    # a run killed after step 3: the same config, stopped early
+    import cepe.training.trainer as trainer_mod
+
+    class Killed(Exception):
+        pass
+
+    orig = trainer_mod.save_checkpoint
+
+    def kill_after_first(*args, **kwargs):
+        path = orig(*args, **kwargs)
+        raise Killed(path)
+
+    trainer_mod.save_checkpoint = kill_after_first
+    try:
+        with pytest.raises(Killed):
+            train(cfg)
+    finally:
+        trainer_mod.save_checkpoint = orig
+    assert len(read_log(tmp_path / "b")) == 3
+    with pytest.raises(ValueError, match="--resume"):
+        train(cfg)
+    train(cfg, resume=True)
+    assert _losses(tmp_path / "b") == _losses(straight)
+    assert len(_losses(straight)) == 6
+    a = load_file(straight / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_other_config(tmp_path):
+    train(_cfg("mlm", tmp_path / "m", steps=2, save_every=1))
+    with pytest.raises(ValueError, match="different configuration"):
+        train(_cfg("mlm", tmp_path / "m", steps=2, save_every=1, **{"optim.lr": 0.5}), resume=True)
+
+
+def test_ceped_teacher_and_training(tmp_path):
+    cfg = _cfg(
+        "ceped",
+        tmp_path / "d",
+        init_adapter="null",
+        teacher_dir=tmp_path / "t",
+        steps=16,
+        batch_size=4,
+        teacher_examples_per_shard=16,
+        **{"optim.lr": 5e-3},
+    )
+    run_teacher(cfg, progress=False)
+    store = TeacherStore(cfg)
+    probs, idx = store.get(5)
+    assert probs.dtype == torch.float16 and probs.shape == (cfg.n_decoder - 1, cfg.top_k)
+    assert store.num_examples == 64
+    # resumable: an existing shard is skipped, a missing one recomputed identically
+    shard = tmp_path / "t" / "shard_000001.safetensors"
+    first = load_file(shard)
+    shard.unlink()
+    run_teacher(cfg, progress=False)
+    again = load_file(shard)
+    assert torch.equal(first["probs"], again["probs"]) and torch.equal(first["indices"], again["indices"])
+    out = train(cfg)
+    log = read_log(out)
+    assert {"ce", "kl"} <= set(log[0])
+    assert _falls([r["loss"] for r in log], k=3)
+
+
+def test_ceped_needs_teacher(tmp_path):
+    cfg = _cfg("ceped", tmp_path / "d", init_adapter="null", teacher_dir=tmp_path / "none", steps=2)
+    with pytest.raises(ValueError, match="cepe teacher"):
+        train(cfg)
+
+
+# ----------------------------------------------------------------------------- pure functions
+def test_kl_renorm_hand_computed():
+    logits = torch.tensor([[math.log(1.0), math.log(2.0), math.log(3.0), math.log(4.0)]])
+    probs = torch.tensor([[0.5, 0.25]])  # teacher top-2 over tokens 3 and 1
+    idx = torch.tensor([[3, 1]])
+    # teacher renormalised: (2/3, 1/3); student over {3, 1}: (4/6, 2/6) = (2/3, 1/3) -> KL 0
+    assert topk_kl(logits, probs, idx, "renorm").item() == pytest.approx(0.0, abs=1e-7)
+    probs = torch.tensor([[0.3, 0.3]])  # renormalised (1/2, 1/2)
+    want = 0.5 * math.log(0.5 / (2 / 3)) + 0.5 * math.log(0.5 / (1 / 3))
+    assert topk_kl(logits, probs, idx, "renorm").item() == pytest.approx(want, rel=1e-6)
+
+
+def test_kl_other_bucket_hand_computed():
+    logits = torch.tensor([[math.log(1.0), math.log(2.0), math.log(3.0), math.log(4.0)]])  # q = k/10
+    probs = torch.tensor([[0.5, 0.25]])
+    idx = torch.tensor([[3, 1]])
+    eps = 0.01
+    p = [(1 - eps) * x + eps / 3 for x in (0.5, 0.25, 0.25)]
+    q = [0.4, 0.2, 0.4]
+    want = sum(a * math.log(a / b) for a, b in zip(p, q))
+    got = topk_kl(logits, probs, idx, "other", smoothing=eps)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_kl_is_fp32_and_zero_for_identical():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 30).to(torch.bfloat16)
+    p = torch.softmax(logits.float(), -1)
+    vals, idx = p.topk(30, -1)
+    assert topk_kl(logits, vals, idx).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_chunk_noise_statistics():
+    k, length, n = 16, 64, 4000
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(n, k, length, dtype=torch.bool)
+    noisy = chunk_noise_mask(mask, 0.3, 0.1, g)
+    kept = noisy.sum(-1).flatten()  # tokens left per chunk
+    # masked tokens are always a suffix
+    pos = torch.arange(length)
+    assert torch.equal(noisy.flatten(0, 1), pos[None, :] < kept[:, None])
+    noised = kept < length
+    frac = noised.float().mean().item()
+    assert abs(frac - 0.3) < 0.01  # P(noised) = 0.3 (a suffix always removes at least one token)
+    whole = (kept == 0).float().mean().item()
+    # whole-chunk removal: 0.3·0.1 plus the suffix case t = |C| (0.3·0.9/64)
+    assert abs(whole - (0.03 + 0.27 / length)) < 0.004
+    partial = length - kept[(kept > 0) & noised]  # suffix lengths t in 1..|C|-1, uniform
+    counts = torch.bincount(partial, minlength=length)[1:length].float()
+    assert counts.min() > 0 and (counts.max() - counts.min()) / counts.mean() < 0.6
+    assert abs(partial.float().mean().item() - length / 2) < 1.5
+
+
+def test_warmup_layout_and_noise_off_for_ceped(tmp_path):
+    from cepe.training.data import build_example
+
+    cfg = _cfg("warmup", tmp_path / "w", init_encoder="null")
+    ex = build_example(cfg, torch.arange(32), 0, None)
+    assert torch.equal(ex["encoder_input_ids"].flatten(), ex["input_ids"])
+    assert ex["encoder_input_ids"].shape == (4, 8)
+    ced = _cfg("ceped", tmp_path / "d", teacher_dir=tmp_path / "t")
+    assert ced.chunk_noise == 0.0 and _cfg("cepe", tmp_path / "c").chunk_noise == 0.3
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.stage in ("mlm", "warmup", "cepe", "ceped")
+    assert cfg.window_length > 0
+
+
+def test_bad_config_messages(tmp_path):
+    with pytest.raises(ValueError, match="unknown config keys"):
+        load_config({"stage": "cepe", "output_dir": "x", "data": {"synthetic": "random"}, "bogus": 1})
+    with pytest.raises(ValueError, match="stage"):
+        load_config(TINY / "mlm.yaml", stage="cepe")
+    with pytest.raises(ValueError, match="data.corpus"):
+        load_config({"stage": "cepe", "output_dir": "x"})
+
+
+# ----------------------------------------------------------------------------- several processes
+@pytest.mark.multiproc
+def test_two_processes_end_with_identical_weights(tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29517",
+        "-m",
+        "cepe.training.cli",
+        "train",
+        "--stage",
+        "cepe",
+        "--config",
+        str(TINY / "cepe.yaml"),
+        "--output-dir",
+        str(out),
+        "--steps",
+        "3",
+        "--no-progress",
+        "--set",
+        "init_adapter=null",
+    ]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    digests = json.loads((out / "final_digests.json").read_text())
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert len(read_log(out)) == 3
