@@ -48,7 +48,9 @@ def _teacher(args: argparse.Namespace) -> int:
     from .teacher import run_teacher
 
     cfg = load_config(args.config, _overrides(args), stage="ceped")
-    state = PartialState()
+    from .trainer import cpu_only
+
+    state = PartialState(cpu=cpu_only())
     out = run_teacher(
         cfg,
         num_examples=args.num_examples,

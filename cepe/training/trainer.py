@@ -48,6 +48,12 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_ratio: 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def cpu_only() -> bool:
+    """True when no GPU-like device is present (then several processes use gloo on the CPU)."""
+    xpu = getattr(torch, "xpu", None)
+    return not (torch.cuda.is_available() or (xpu is not None and xpu.is_available()))
+
+
 def parameter_digest(params: list[nn.Parameter]) -> str:
     """SHA-256 of the bytes of ``params`` (to check that processes hold identical weights)."""
     h = hashlib.sha256()
@@ -90,7 +96,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.stage in ("cepe", "ceped"))
-    acc = Accelerator(kwargs_handlers=[ddp])
+    acc = Accelerator(kwargs_handlers=[ddp], cpu=cpu_only())
     world, rank = acc.num_processes, acc.process_index
     accum = cfg.grad_accum(world)
     out = Path(cfg.output_dir)
