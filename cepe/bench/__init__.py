@@ -60,6 +60,7 @@ def run_benchmark(
     out_dir: str | os.PathLike[str] | None = None,
     in_process: bool = False,
     peak_matmul_size: int = 4096,
+    peak_seconds: float = 2.0,
     log=print,
 ) -> dict[str, Any]:
     """Measure every setting of ``cfg`` and summarise.
@@ -70,6 +71,7 @@ def run_benchmark(
         in_process: measure in this process with one model (fast, for tests and smoke runs; peak memory
             then includes heap left over by earlier settings and is flagged as such).
         peak_matmul_size: side of the square matmul that measures the machine's peak.
+        peak_seconds: how long the peak is measured (best of the repeated matmuls).
         log: progress printer.
 
     Returns:
@@ -79,7 +81,7 @@ def run_benchmark(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     machine_start = _machine()
-    peak = matmul_peak_flops(peak_matmul_size, DTYPES[cfg.dtype])
+    peak = matmul_peak_flops(peak_matmul_size, DTYPES[cfg.dtype], peak_seconds)
     log(f"{machine_start}; {cfg.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
     model = build_model(cfg) if in_process else None
     if model is None:

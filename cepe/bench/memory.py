@@ -105,6 +105,7 @@ class PeakRSS:
 
     def __exit__(self, *exc: Any) -> None:
         self.peak = proc_status_bytes("VmHWM") or 0
+        release_free_memory()  # what stays resident is then what the region's results hold
         self.after = proc_status_bytes("VmRSS") or 0
         self.peak_delta = max(0, self.peak - self.baseline)
         self.kept_delta = max(0, self.after - self.baseline)

@@ -1,0 +1,175 @@
+"""The benchmark harness: cost model numbers, memory accounting, and an end-to-end run on a tiny model.
+
+No wall-clock time is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from cepe.bench import BenchConfig, config_from_args, register, run_benchmark
+from cepe.bench.flops import CostModel, DecoderShape, causal_pairs, decoder_flops, encoder_flops
+from cepe.bench.memory import PeakRSS, tensor_bytes
+from cepe.bench.runner import build_model, cepe_prefill, cost_model, full_prefill, random_ids
+
+# SmolLM2-135M (the default decoder) and the 4-layer, 256-wide encoder.
+SMOL = DecoderShape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
+ENC = DecoderShape(layers=4, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=1024, vocab=49153)
+
+
+def tiny_cfg(**kw) -> BenchConfig:
+    base = dict(
+        model="tiny",
+        encoder_hidden=32,
+        encoder_layers=2,
+        encoder_heads=2,
+        chunk=16,
+        window=64,
+        full_chunk=48,
+        replug_piece=32,
+        lengths=[96, 160],
+        decode_context=160,
+        decode_tokens=2,
+        dtype="fp32",
+    )
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_causal_pairs_and_decoder_flops_by_hand():
+    assert causal_pairs(0, 4) == 10
+    assert causal_pairs(3, 2) == 2 * 3 + 3
+    shape = DecoderShape(layers=1, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10)
+    # per token: q 4*4 + k,v 2*4*2 + o 4*4 + mlp 3*4*8 = 144 weights
+    assert shape.linear_params_per_layer == 144
+    assert decoder_flops(shape, 0, 3, logits=1) == 2 * 3 * 144 + 4 * 6 * 2 * 2 + 2 * 4 * 10
+    assert encoder_flops(shape, 5, 2) == 2 * 5 * 144 + 4 * (2 * 4 + 1) * 2 * 2
+
+
+def test_cost_model_ratios_for_the_default_decoder():
+    cm = CostModel(SMOL, ENC, cross_layers=30, window=2048, chunk=256)
+    ratios = {t: cm.full_prefill(t) / cm.cepe_prefill(t) for t in (8192, 32768, 131072)}
+    assert ratios[8192] == pytest.approx(2.5, abs=0.1)
+    assert ratios[32768] == pytest.approx(8.0, abs=0.2)
+    assert ratios[131072] == pytest.approx(29.7, abs=0.5)
+    assert cm.cepe_extra_memory_fraction() == pytest.approx(1 / 45)
+    assert SMOL.kv_bytes_per_token() == 23040
+    # Φ (256 bf16 values) per encoder token plus the decoder window's K/V.
+    assert cm.cache_bytes("cepe", 10000) == 2048 * 23040 + (10000 - 2048) * 512
+    assert cm.cache_bytes("full", 10000) == 10000 * 23040
+    # states re-projects K/V of every encoder token at each step: far more work than kv or absorbed.
+    kv, states = cm.decode_step("cepe", 32768, "kv"), cm.decode_step("cepe", 32768, "states")
+    assert states > 50 * kv
+    with pytest.raises(ValueError, match="no cost model"):
+        cm.prefill("bogus", 10)
+
+
+def test_tensor_bytes_counts_shared_storage_once():
+    a = torch.zeros(10, dtype=torch.float32)
+    assert tensor_bytes({"x": a, "y": [a, a[2:]]}) == 40
+    assert tensor_bytes(None) == 0
+
+
+def test_peak_rss_region():
+    with PeakRSS() as mem:
+        x = torch.ones(2**22)  # 16 MiB
+        x += 1
+    assert mem.peak >= mem.baseline > 0
+    assert mem.method.startswith("VmHWM")
+
+
+def test_kept_bytes_match_the_cost_model():
+    cfg = tiny_cfg()
+    model = build_model(cfg)
+    cm = cost_model(model, cfg)
+    ids = random_ids(160, 259, 0)
+    with torch.inference_mode():
+        cepe = cepe_prefill(model, ids, cfg.window)
+        full = full_prefill(model, ids, cfg.full_chunk)
+    assert tensor_bytes(cepe["cache"], cepe["context"]) == cm.cache_bytes("cepe", 160, bytes_per_elem=4)
+    assert tensor_bytes(full["cache"]) == cm.cache_bytes("full", 160, bytes_per_elem=4)
+    # Chunked full prefill leaves the same cache and last logits as one call.
+    with torch.inference_mode():
+        one = full_prefill(model, ids, 160)
+    torch.testing.assert_close(full["logits"], one["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_end_to_end_in_process(tmp_path):
+    cfg = tiny_cfg(max_tokens={"replug": 96})
+    result = run_benchmark(
+        cfg, tmp_path, in_process=True, peak_matmul_size=128, peak_seconds=0.05, log=lambda s: None
+    )
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert data["summary"] == json.loads(json.dumps(result["summary"]))
+    prefill = [r for r in data["rows"] if r["kind"] == "prefill"]
+    assert len(prefill) == 8
+    skipped = [r for r in prefill if r.get("skipped")]
+    assert [(r["method"], r["tokens"]) for r in skipped] == [("replug", 160)]
+    for r in prefill:
+        assert "error" not in r, r.get("error")
+        if not r.get("skipped"):
+            assert r["tokens_per_s"] > 0 and r["flops"] > 0 and 0 < r["fraction_of_peak"]
+    decode = [r for r in data["rows"] if r["kind"] == "decode"]
+    assert [(r["method"], r["mode"]) for r in decode] == [
+        ("cepe", "kv"),
+        ("cepe", "states"),
+        ("cepe", "absorbed"),
+        ("full", None),
+    ]
+    assert all(r["tokens"] == 2 for r in decode)
+    names = {t["target"].split(":")[0] for t in data["summary"]["targets"]}
+    assert "decode" in names
+
+
+def test_worker_subprocess_runs_one_setting(tmp_path):
+    from cepe.bench import _run_worker
+
+    row = _run_worker(tiny_cfg(), {"kind": "prefill", "method": "cepe", "tokens": 96})
+    assert "error" not in row, row.get("error")
+    assert row["peak_rss_bytes"] >= row["rss_baseline_bytes"] > 0
+    assert row["kept_tensor_bytes"] > 0
+
+
+def test_cli_config_parsing(tmp_path):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    conf = tmp_path / "b.json"
+    conf.write_text(json.dumps({"model": "tiny", "lengths": [64], "window": 32}))
+    args = parser.parse_args(
+        [
+            "bench",
+            "--config",
+            str(conf),
+            "--lengths",
+            "128",
+            "--max-tokens",
+            "full=131072",
+            "--replug-piece",
+            "16",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert cfg.model == "tiny" and cfg.lengths == [128] and cfg.window == 32
+    assert cfg.max_tokens["full"] == 131072 and cfg.max_tokens["replug"] == 32768
+    bad = parser.parse_args(["bench", "--max-tokens", "nope=5"])
+    with pytest.raises(ValueError, match="METHOD=N"):
+        config_from_args(bad)
+    with pytest.raises(ValueError, match="replug_piece"):
+        BenchConfig(window=64, replug_piece=64).validate()
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "bench"
+    files = sorted(root.glob("*.json"))
+    assert files
+    for f in files:
+        cfg = BenchConfig.from_dict(json.loads(f.read_text()))
+        cfg.validate()
+        assert cfg.settings()
