@@ -287,3 +287,13 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     digests = json.loads((out / "final_digests.json").read_text())
     assert len(digests) == 2 and digests[0] == digests[1]
     assert len(read_log(out)) == 3
+
+
+def test_gradient_checkpointing_same_losses(tmp_path):
+    plain = train(_cfg("cepe", tmp_path / "p", init_adapter="null", steps=3, save_every=3))
+    ckpt = train(
+        _cfg(
+            "cepe", tmp_path / "g", init_adapter="null", steps=3, save_every=3, gradient_checkpointing="true"
+        )
+    )
+    assert _losses(plain) == pytest.approx(_losses(ckpt), rel=1e-4)

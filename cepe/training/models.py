@@ -205,7 +205,11 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.encoder.gradient_checkpointing = True
         return
     model.encoder.gradient_checkpointing = True
-    model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model.decoder, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model._train_decoder_layers = True  # read by set_train_mode
 
 
