@@ -120,11 +120,16 @@ class ContextEncoder(nn.Module):
         encoder_input_ids: torch.Tensor,
         encoder_attention_mask: torch.Tensor | None = None,
         micro_batch: int = 64,
+        in_place: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode ``(B, K, L)`` chunks independently into Φ.
 
         Chunks without any real token are skipped (never run through the encoder); chunks are encoded
         in micro-batches of at most ``micro_batch`` so long contexts fit in memory.
+
+        ``in_place`` (default: when autograd is off) writes every micro-batch into one preallocated Φ
+        instead of building a new copy per micro-batch (the reference, autograd-friendly path): the
+        same values without ``K / micro_batch`` transient copies of Φ at long contexts.
 
         Returns:
             ``(states, key_mask)``: Φ ``(B, K·L, D)`` (zeros at padded positions) and ``(B, K·L)`` bool.
@@ -140,11 +145,19 @@ class ContextEncoder(nn.Module):
             dtype = torch.get_autocast_dtype(ids.device.type)
         states = torch.zeros(b * k, length, self.config.hidden_size, dtype=dtype, device=ids.device)
         live = mask.any(-1).nonzero().flatten()  # chunks with at least one real token
+        if in_place is None:
+            in_place = not torch.is_grad_enabled()
         for start in range(0, live.numel(), micro_batch):
             sel = live[start : start + micro_batch]
             out = self(ids[sel], mask[sel])
-            states = states.index_copy(0, sel, out.to(dtype))
-        states = states * mask[..., None].to(dtype)
+            if in_place:
+                states.index_copy_(0, sel, out.to(dtype))
+            else:
+                states = states.index_copy(0, sel, out.to(dtype))
+        if in_place:
+            states.mul_(mask[..., None].to(dtype))
+        else:
+            states = states * mask[..., None].to(dtype)
         return states.view(b, k * length, -1), mask.view(b, k * length)
 
 
