@@ -249,7 +249,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int, help="timed decode steps per setting")
     p.add_argument("--decode-modes", nargs="+", choices=("kv", "states", "absorbed"))
     p.add_argument("--decode-fill", choices=("random", "prefill"), help="how decode caches are filled")
-    p.add_argument("--repeats", type=int, help="timed prefills per setting (median reported)")
+    p.add_argument("--repeats", type=int, help="timed prefills per setting (best reported)")
     p.add_argument("--threads", type=int, help="torch threads (0: default)")
     p.add_argument("--seed", type=int)
     p.add_argument("--compile", action="store_true", help="torch.compile encoder layers and cross-attention")
