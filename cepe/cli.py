@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "cepe.training.cli",
     "cepe.eval.cli",
     "cepe.bench",
+    "cepe.main_job",
 )
 
 

@@ -38,6 +38,9 @@ class Config:
         sequences_per_domain: sequences per domain and total (paper 5000; 10 at 128K); one per document.
         max_documents: documents read per source (None = all).
         seed: picks documents and offsets.
+        replug_piece_length: REPLUG's context piece length (None = ``chunk_length``); each piece costs
+            one decoder pass, so longer pieces keep REPLUG affordable at long totals.
+        replug_max_pieces: REPLUG uses only the nearest this-many pieces (None = all).
     """
 
     sources: list[dict[str, Any]] = field(default_factory=lambda: list(DEFAULT_SOURCES))
@@ -49,6 +52,8 @@ class Config:
     sequences_per_domain: int = 5000
     max_documents: int | None = None
     seed: int = 0
+    replug_piece_length: int | None = None
+    replug_max_pieces: int | None = None
 
     def window(self, total: int) -> int:
         w = int(
@@ -94,7 +99,12 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
             for method in setup.methods:
 
                 def score(m, seq, _w=window, _method=method):
-                    pieces = chunk_tail_aligned(seq[:-_w], cfg.chunk_length)
+                    if _method == "replug":
+                        pieces = chunk_tail_aligned(seq[:-_w], cfg.replug_piece_length or cfg.chunk_length)
+                        if cfg.replug_max_pieces:
+                            pieces = pieces[-cfg.replug_max_pieces :]
+                    else:
+                        pieces = chunk_tail_aligned(seq[:-_w], cfg.chunk_length)
                     req = standard_request(_method, pieces, seq[-_w:], cfg.eval_tokens)
                     lp = m.score([req])[0]
                     return float(-lp.sum()), req.num_tokens
