@@ -441,3 +441,19 @@ def test_clear_errors(tiny_model):
         CepeForCausalLM.from_decoder(
             GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
         )
+
+
+def test_generate_runs_the_encoder_once(tiny_model, monkeypatch):
+    calls = []
+    real = tiny_model.encoder.forward
+    monkeypatch.setattr(tiny_model.encoder, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    enc_ids, enc_mask = random_context(1, 3)
+    tiny_model.generate(
+        _ids(1),
+        encoder_input_ids=enc_ids,
+        encoder_attention_mask=enc_mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert len(calls) == 1  # one micro-batch holds all 3 chunks: one encoder call for the whole generation
