@@ -37,3 +37,16 @@ def test_split_filter_matches_training_split(tmp_path):
         list(iter_source({"documents": docs, "split": "dev"}))
     with pytest.raises(FileNotFoundError, match="prepare-data"):
         list(iter_source({"documents": docs, "split": "test", "split_from": str(tmp_path / "none")}))
+
+
+def test_several_non_overlapping_windows_per_document():
+    from cepe.eval.tasks.lm import sample_sequences
+
+    docs = [list(range(100)), list(range(1000, 1030)), list(range(2000, 2500))]
+    one = sample_sequences(docs, 50, 10, seed=0)
+    assert len(one) == 2 and all(len(w) == 50 for w in one)  # one per long-enough document
+    many = sample_sequences(docs, 50, 10, seed=0, per_document=3)
+    assert len(many) == 5 and all(len(w) == 50 for w in many)
+    starts = sorted(w[0] for w in many if w[0] >= 2000)
+    assert len(starts) == 3 and all(b - a >= 50 for a, b in zip(starts, starts[1:]))
+    assert sample_sequences(docs, 50, 10, seed=0, per_document=3) == many  # deterministic

@@ -35,9 +35,10 @@ class Config:
         decoder_window_overrides: ... except these totals (paper ``{4096: 2048}``).
         eval_tokens: scored tokens at the end of each sequence (paper 256).
         chunk_length: encoder chunk length (paper 256).
-        sequences_per_domain: sequences per domain and total (paper 5000; 10 at 128K); one per document.
+        sequences_per_domain: sequences per domain and total (paper 5000; 10 at 128K).
         max_documents: documents read per source (None = all).
         seed: picks documents and offsets.
+        windows_per_document: non-overlapping windows taken from one document (paper: 1).
         replug_piece_length: REPLUG's context piece length (None = ``chunk_length``); each piece costs
             one decoder pass, so longer pieces keep REPLUG affordable at long totals.
         replug_max_pieces: REPLUG uses only the nearest this-many pieces (None = all).
@@ -52,6 +53,7 @@ class Config:
     sequences_per_domain: int = 5000
     max_documents: int | None = None
     seed: int = 0
+    windows_per_document: int = 1
     replug_piece_length: int | None = None
     replug_max_pieces: int | None = None
 
@@ -67,17 +69,26 @@ class Config:
         return w
 
 
-def sample_sequences(token_docs: list[list[int]], total: int, count: int, seed: int) -> list[list[int]]:
-    """Up to ``count`` windows of ``total`` tokens, one per document with at least ``total`` tokens, at a
-    seeded random offset; documents in a seeded random order."""
+def sample_sequences(
+    token_docs: list[list[int]], total: int, count: int, seed: int, per_document: int = 1
+) -> list[list[int]]:
+    """Up to ``count`` windows of ``total`` tokens from documents with at least ``total`` tokens, documents
+    in a seeded random order; at most ``per_document`` non-overlapping windows per document (at seeded
+    random offsets within equal slices of the document), so a domain with few long documents still yields
+    several sequences."""
     rng = random.Random(seed * 1_000_003 + total)
     order = [i for i, d in enumerate(token_docs) if len(d) >= total]
     rng.shuffle(order)
-    out = []
-    for i in order[:count]:
+    out: list[list[int]] = []
+    for i in order:
         d = token_docs[i]
-        off = rng.randint(0, len(d) - total)
-        out.append(d[off : off + total])
+        n = max(1, min(per_document, len(d) // total))
+        span = len(d) // n  # slice j covers [j * span, (j + 1) * span), each >= total tokens
+        for j in range(n):
+            off = j * span + rng.randint(0, span - total)
+            out.append(d[off : off + total])
+            if len(out) == count:
+                return out
     return out
 
 
@@ -92,7 +103,11 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         window = cfg.window(total)
         per_method: dict[str, list[float]] = {m: [] for m in setup.methods}
         for domain, docs in domains.items():
-            seqs = limit_items(sample_sequences(docs, total, cfg.sequences_per_domain, cfg.seed), None, setup)
+            seqs = limit_items(
+                sample_sequences(docs, total, cfg.sequences_per_domain, cfg.seed, cfg.windows_per_document),
+                None,
+                setup,
+            )
             if not seqs:
                 notes.append(f"{domain}: no document has {total} tokens; skipped")
                 continue
