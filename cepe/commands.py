@@ -110,8 +110,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .modeling import CepeForCausalLM
+
+    model = CepeForCausalLM.from_pretrained(args.model)
+    if args.decoder_name:
+        model.cepe_config.decoder_name_or_path = args.decoder_name
+    model.save_pretrained(args.out, quantize=args.quantize)
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
+    print(f"wrote {args.out} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``generate`` and ``info`` to the ``cepe`` command."""
+    """Add ``generate``, ``info`` and ``export`` to the ``cepe`` command."""
     p = sub.add_parser("generate", help="answer a prompt about a long context file")
     p.add_argument("--model", default="default", help="CEPE adapter dir, released checkpoint, or decoder")
     p.add_argument("--context", help="text file whose content goes (mostly) to the encoder")
@@ -120,6 +132,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decoder-tokens", type=int, default=0, help="last context tokens kept in the decoder")
     p.add_argument("--cache", choices=["kv", "states", "absorbed"], default=None)
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("export", help="re-save an adapter (e.g. int8 weight storage for shipping)")
+    p.add_argument("--model", required=True, help="CEPE adapter dir")
+    p.add_argument("--out", required=True)
+    p.add_argument("--quantize", choices=["int8"], default=None)
+    p.add_argument("--decoder-name", help="decoder name to record in the config (e.g. 'default')")
+    p.set_defaults(func=_cmd_export)
     p = sub.add_parser("info", help="describe a CEPE model")
     p.add_argument("--model", default="default")
     p.set_defaults(func=_cmd_info)

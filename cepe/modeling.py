@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import CACHE_MODES, CepeConfig, default_encoder_config
 from .cross_attention import CrossContext
 from .encoder import ContextEncoder
+from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -354,18 +355,29 @@ class CepeForCausalLM(nn.Module):
             )
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
+    def save_pretrained(self, save_directory: str | os.PathLike[str], quantize: str | None = None) -> None:
         """Write only the added weights (``adapter_model.safetensors``) and ``cepe_config.json``.
 
         Files are written into a temporary directory and moved into place, so a crash never leaves a
         half-written adapter.
+
+        Args:
+            save_directory: output directory.
+            quantize: ``None`` (weights as they are) or ``"int8"`` (weight-only per-row int8 storage, about
+                a quarter of fp32; see :mod:`cepe.quant`).
         """
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
         try:
             tensors = {k: v.detach().contiguous() for k, v in self.adapter_state_dict().items()}
-            save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt", "cepe": "adapter"})
+            metadata = {"format": "pt", "cepe": "adapter"}
+            if quantize == "int8":
+                tensors = quantize_int8_rowwise(tensors)
+                metadata["cepe_quant"] = QUANT_METADATA
+            save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata=metadata)
             self.cepe_config.save(tmp / ADAPTER_CONFIG)
             for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
                 os.replace(tmp / name, out / name)
@@ -418,7 +430,7 @@ class CepeForCausalLM(nn.Module):
                     raise ValueError(f"{path / ADAPTER_CONFIG} names no decoder; pass decoder=...")
                 decoder = cfg.decoder_name_or_path
             model = cls.from_decoder(decoder, cfg, dtype=dtype)
-            model.load_adapter_state_dict(load_file(path / ADAPTER_WEIGHTS))
+            model.load_adapter_state_dict(load_adapter_file(path / ADAPTER_WEIGHTS))
             return model
         config_file = path / "config.json"
         if config_file.exists():
@@ -432,6 +444,20 @@ class CepeForCausalLM(nn.Module):
             f"{path} holds neither a cepe adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) nor a released "
             "CEPE checkpoint (config.json with encoder_config)"
         )
+
+
+def load_adapter_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Tensors of an adapter file, dequantized if it was saved with ``quantize="int8"``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        quant = (f.metadata() or {}).get("cepe_quant")
+    tensors = load_file(path)
+    if quant is None:
+        return tensors
+    if quant != QUANT_METADATA:
+        raise ValueError(f"{path}: unknown adapter quantization {quant!r}")
+    return dequantize_int8_rowwise(tensors)
 
 
 def pack_keys(

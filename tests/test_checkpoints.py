@@ -177,3 +177,29 @@ def test_pickles_load_weights_only(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", spy)
     CepeForCausalLM.from_pretrained(path)
     assert seen["weights_only"] is True
+
+
+def test_int8_adapter_storage(tmp_path):
+    from cepe.quant import SCALE_SUFFIX
+
+    dec_dir = tmp_path / "decoder"
+    tiny_decoder().save_pretrained(dec_dir)
+    model = CepeForCausalLM.from_decoder(str(dec_dir), tiny_cepe_config()).eval()
+    randomize_cross(model)
+    model.save_pretrained(tmp_path / "q", quantize="int8")
+    raw = load_file(tmp_path / "q" / ADAPTER_WEIGHTS)
+    assert raw["encoder.embed_tokens.weight"].dtype == torch.int8
+    assert {k for k in raw if not k.endswith(SCALE_SUFFIX)} == _expected_keys(model)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path / "q").eval()
+    for k, v in model.adapter_state_dict().items():
+        w = loaded.adapter_state_dict()[k]
+        bound = v.abs().amax(dim=-1, keepdim=True) / 254 + 1e-7 if v.dim() == 2 else 0.0
+        assert ((w - v).abs() <= bound).all(), k
+    ids = torch.randint(0, VOCAB, (1, 9))
+    enc_ids, enc_mask = random_context(1, 3)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        b = loaded(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    with pytest.raises(ValueError, match="quantize must be"):
+        model.save_pretrained(tmp_path / "x", quantize="int4")
