@@ -54,6 +54,8 @@ def run_main(
     out = Path(out)
     config_dir = Path(config_dir)
     adapter = Path(adapter) if adapter else DEFAULT_ADAPTER
+    if adapter.is_absolute() and adapter.is_relative_to(REPO):
+        adapter = adapter.relative_to(REPO)  # results name the adapter without machine paths
     trained = (adapter / "adapter_model.safetensors").exists()
     torch.manual_seed(0)
     if trained:
