@@ -54,12 +54,12 @@ def run_main(
     out = Path(out)
     config_dir = Path(config_dir)
     adapter = Path(adapter) if adapter else DEFAULT_ADAPTER
-    if adapter.is_absolute() and adapter.is_relative_to(REPO):
-        adapter = adapter.relative_to(REPO)  # results name the adapter without machine paths
+    # results name the adapter relative to the repository (no machine paths); loading uses the real path
+    shown = adapter.relative_to(REPO) if adapter.is_absolute() and adapter.is_relative_to(REPO) else adapter
     trained = (adapter / "adapter_model.safetensors").exists()
     torch.manual_seed(0)
     if trained:
-        print(f"== CEPE adapter: {adapter}")
+        print(f"== CEPE adapter: {shown}")
         setup = load_setup(str(adapter), METHODS, autocast_dtype=torch.bfloat16, batch_size=1)
     else:
         print(
@@ -67,7 +67,7 @@ def run_main(
             "   so 'cepe' below equals 'truncated' by construction. Train one with the commands in README."
         )
         setup = load_setup("default", METHODS, cepe_init=True, autocast_dtype=torch.bfloat16, batch_size=1)
-    results: dict[str, Any] = {"adapter": str(adapter), "trained": trained}
+    results: dict[str, Any] = {"adapter": str(shown), "trained": trained}
 
     t0 = time.time()
     overrides = {"totals": [1024, 4096], "sequences_per_domain": 1} if quick else {}
@@ -75,7 +75,7 @@ def run_main(
     setup.method_options = lm_opts
     setup._cache.clear()
     lm = run_task("lm", setup, lm_cfg)
-    lm.update(model=str(adapter), config=lm_cfg, methods=METHODS)
+    lm.update(model=str(shown), config=lm_cfg, methods=METHODS)
     write_report(lm, out / "lm", x_key="total")
     results["lm"] = lm
     print(lm_table(lm))
@@ -87,7 +87,7 @@ def run_main(
     setup.method_options = nd_opts
     setup._cache.clear()
     needle = run_task("needle", setup, nd_cfg)
-    needle.update(model=str(adapter), config=nd_cfg, methods=setup.methods)
+    needle.update(model=str(shown), config=nd_cfg, methods=setup.methods)
     write_report(needle, out / "needle", x_key="total")
     results["needle"] = needle
     print(needle_table(needle))
