@@ -18,32 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cepe.bench.memory import proc_status_bytes, reset_peak_rss
+
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def _proc_status_kb(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
@@ -92,9 +74,9 @@ class _Region:
             torch.cuda.reset_peak_memory_stats()
             self.meter.memory_source = "torch.cuda.max_memory_allocated"
         else:
-            reset = _reset_peak_rss()
+            reset = reset_peak_rss()
             self.meter.memory_source = "VmHWM (reset per region)" if reset else "VmHWM (process lifetime)"
-            self.rss0 = (_proc_status_kb("VmRSS") or 0) * 1024
+            self.rss0 = proc_status_bytes("VmRSS") or 0
         self.t0 = time.perf_counter()
         return self
 
@@ -104,7 +86,7 @@ class _Region:
             peak = torch.cuda.max_memory_allocated()
             delta = peak
         else:
-            peak = (_proc_status_kb("VmHWM") or 0) * 1024
+            peak = proc_status_bytes("VmHWM") or 0
             delta = max(0, peak - self.rss0)
         self.meter.seconds += time.perf_counter() - self.t0
         self.meter.tokens += int(self.num_tokens)
