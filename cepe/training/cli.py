@@ -7,7 +7,6 @@ All take ``--config FILE`` (YAML or JSON) plus ``--set key.sub=value`` overrides
 from __future__ import annotations
 
 import argparse
-import sys
 
 STAGE_CHOICES = ("warmup", "cepe", "ceped")
 
@@ -113,17 +112,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run these sub-commands without the rest of ``cepe`` (``python -m cepe.training.cli ...``)."""
+    from cepe.cli import main as cli_main
+
     parser = argparse.ArgumentParser(prog="cepe-train")
     register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"cepe {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    return cli_main(argv, parser)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cepe.config import _check
+
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 KL_FORMS = ("renorm", "other")
 SYNTHETIC_KINDS = ("random", "motif")
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass
