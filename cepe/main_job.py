@@ -58,16 +58,24 @@ def run_main(
     shown = adapter.relative_to(REPO) if adapter.is_absolute() and adapter.is_relative_to(REPO) else adapter
     trained = (adapter / "adapter_model.safetensors").exists()
     torch.manual_seed(0)
+    from cepe.compute import autocast_dtype, describe
+
+    fast = autocast_dtype("cpu")
+    print(f"== compute: {describe('cpu')}")
     if trained:
         print(f"== CEPE adapter: {shown}")
-        setup = load_setup(str(adapter), METHODS, autocast_dtype=torch.bfloat16, batch_size=1)
+        setup = load_setup(str(adapter), METHODS, autocast_dtype=fast, batch_size=1)
     else:
         print(
             f"== NOTE: no trained adapter at {adapter}: the CEPE encoder is freshly initialised (zero o_proj),\n"
             "   so 'cepe' below equals 'truncated' by construction. Train one with the commands in README."
         )
-        setup = load_setup("default", METHODS, cepe_init=True, autocast_dtype=torch.bfloat16, batch_size=1)
-    results: dict[str, Any] = {"adapter": str(shown), "trained": trained}
+        setup = load_setup("default", METHODS, cepe_init=True, autocast_dtype=fast, batch_size=1)
+    results: dict[str, Any] = {
+        "adapter": str(shown),
+        "trained": trained,
+        "compute_dtype": "bf16" if fast is not None else "fp32",
+    }
 
     t0 = time.time()
     overrides = {"totals": [1024, 4096], "sequences_per_domain": 1} if quick else {}
@@ -93,13 +101,13 @@ def run_main(
     print(needle_table(needle))
     print(f"(needle: {time.time() - t0:.0f} s)")
 
-    results["generation"] = _generation_demo(setup, generate_from_context)
+    results["generation"] = _generation_demo(setup, generate_from_context, fast)
     (out / "main.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"== results in {out}/ (main.json, lm/, needle/)")
     return results
 
 
-def _generation_demo(setup, generate_from_context) -> dict[str, Any]:
+def _generation_demo(setup, generate_from_context, fast: Any) -> dict[str, Any]:
     """Answer a question about a held-out paper whose text is longer than the decoder window."""
     from cepe.eval.common import iter_source
 
@@ -123,7 +131,7 @@ def _generation_demo(setup, generate_from_context) -> dict[str, Any]:
     answers = {}
     import torch
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast is not None):
         answers["cepe"] = generate_from_context(
             model, setup.tokenizer, doc["text"], prompt, max_new_tokens=48, decoder_tokens=256
         )

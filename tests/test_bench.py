@@ -6,6 +6,7 @@ No wall-clock time is asserted anywhere.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import pytest
@@ -14,7 +15,14 @@ import torch
 from cepe.bench import BenchConfig, config_from_args, register, run_benchmark
 from cepe.bench.flops import CostModel, DecoderShape, causal_pairs, decoder_flops, encoder_flops
 from cepe.bench.memory import PeakRSS, tensor_bytes
-from cepe.bench.runner import build_model, cepe_prefill, cost_model, full_prefill, random_ids
+from cepe.bench.runner import (
+    _new_cache,
+    build_model,
+    cepe_prefill,
+    cost_model,
+    full_prefill,
+    random_ids,
+)
 
 # SmolLM2-135M (the default decoder) and the 4-layer, 256-wide encoder.
 SMOL = DecoderShape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
@@ -173,3 +181,34 @@ def test_shipped_configs_are_valid():
         cfg = BenchConfig.from_dict(json.loads(f.read_text()))
         cfg.validate()
         assert cfg.settings()
+
+
+@pytest.mark.parametrize("method", ["full", "cepe"])
+def test_static_cache_decode_matches_dynamic(method):
+    """The benchmark's preallocated decode cache gives the same logits as HF's growing one."""
+    cfg = tiny_cfg()
+    model = build_model(cfg)
+    ids = random_ids(160, int(model.decoder.config.vocab_size), 0)
+    runs = {}
+    for room in (None, 160 + 4):
+        with torch.inference_mode():
+            if method == "full":
+                state = full_prefill(model, ids, cfg.full_chunk, cache=_new_cache(model, room))
+                kept, step_fn = 160, model.decoder
+            else:
+                state = cepe_prefill(model, ids, cfg.window, "kv", cache=_new_cache(model, room))
+                kept, step_fn = cfg.window, functools.partial(model, cross_context=state["context"])
+
+            tok, logits = state["logits"][:, -1:].argmax(-1), [state["logits"][:, -1]]
+            for step in range(3):
+                out = step_fn(
+                    input_ids=tok,
+                    past_key_values=state["cache"],
+                    use_cache=True,
+                    cache_position=torch.tensor([kept + step]),
+                )
+                logits.append(out.logits[:, -1])
+                tok = out.logits[:, -1:].argmax(-1)
+        runs[room] = torch.stack(logits)
+    assert type(_new_cache(model, 8)).__name__ == "StaticCache"
+    torch.testing.assert_close(runs[164], runs[None], rtol=1e-5, atol=1e-5)

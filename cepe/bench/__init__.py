@@ -80,6 +80,9 @@ def run_benchmark(
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    requested, cfg = cfg.dtype, cfg.resolved()
+    if requested != cfg.dtype:
+        log(f"dtype auto -> {cfg.dtype} on this machine")
     machine_start = _machine()
     peak = matmul_peak_flops(peak_matmul_size, DTYPES[cfg.dtype], peak_seconds)
     log(f"{machine_start}; {cfg.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
@@ -228,7 +231,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
     p.add_argument("--model", help="decoder: default, tiny, a local directory or a hub id")
     p.add_argument("--random-init", action="store_true", help="random decoder weights (timing only)")
-    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--dtype", choices=[*sorted(DTYPES), "auto"], help="auto: bf16 where it is fast here")
     p.add_argument("--lengths", type=int, nargs="+", help="total tokens per prefill setting")
     p.add_argument("--methods", nargs="+", choices=PREFILL_METHODS)
     p.add_argument("--window", type=int, help="decoder tokens (CEPE input, StreamingLLM cache, REPLUG pass)")

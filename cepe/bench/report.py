@@ -139,7 +139,7 @@ def format_report(result: dict[str, Any]) -> str:
     peak = result["matmul_peak_flops"]
     lines = [
         f"machine: {result['machine']}",
-        f"measured bf16 matmul peak: {peak / 1e9:.1f} GFLOP/s ({result['config']['dtype']} run)",
+        f"measured {result['config']['dtype']} matmul peak: {peak / 1e9:.1f} GFLOP/s",
         "",
         f"{'prefill':<13}{'tokens':>8}{'tok/s':>11}{'s':>9}{'GFLOP':>11}{'%peak':>7}{'peak MB':>9}{'kept MB':>9}",
     ]

@@ -48,7 +48,8 @@ class BenchConfig:
         model: decoder: ``"default"`` (SmolLM2-135M), ``"tiny"`` (2-layer random, for tests), a local
             directory or a hub id.
         random_init: build the decoder from its config with random weights instead of loading them.
-        dtype: ``"bf16"`` (the fast path on CPUs with bf16 matmul units) or ``"fp32"``.
+        dtype: ``"bf16"`` (the fast path on CPUs with bf16 matmul units), ``"fp32"``, or ``"auto"`` (bf16
+            where its matmuls beat fp32 here, see :mod:`cepe.compute`; resolved before any measurement).
         encoder_hidden / encoder_layers / encoder_heads: context encoder size (intermediate = 4 × hidden).
         chunk: encoder chunk length. window: decoder tokens (see module docstring).
         micro_batch: encoder chunks per encoder call.
@@ -62,6 +63,10 @@ class BenchConfig:
         decode_modes: CEPE cache modes for decoding; full context is always included.
         decode_fill: ``"random"``: decode after caches of the right shape filled with random values
             (decode cost does not depend on them; avoids a slow full-context prefill) or ``"prefill"``.
+        decode_cache: the decoder K/V cache while decoding, for every method alike: ``"static"``
+            (preallocated for the context plus the new tokens, written in place; what ``generate(...,
+            cache_implementation="static")`` uses) or ``"dynamic"`` (grows by concatenation each step, so a
+            step copies the whole cache).
         repeats: timed prefills per setting (the best is reported).
         compile: wrap the encoder layers and cross-attention blocks in ``torch.compile``.
         threads: torch intra-op threads (0 = torch's default).
@@ -70,7 +75,7 @@ class BenchConfig:
 
     model: str = "default"
     random_init: bool = False
-    dtype: str = "bf16"
+    dtype: str = "auto"
     encoder_hidden: int = 256
     encoder_layers: int = 4
     encoder_heads: int = 4
@@ -88,6 +93,7 @@ class BenchConfig:
     decode_tokens: int = 16
     decode_modes: list[str] = field(default_factory=lambda: ["kv", "states", "absorbed"])
     decode_fill: str = "random"
+    decode_cache: str = "static"
     repeats: int = 1
     compile: bool = False
     threads: int = 0
@@ -95,8 +101,8 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first inconsistent field."""
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         bad = [m for m in self.methods if m not in PREFILL_METHODS]
         if bad:
             raise ValueError(f"unknown methods {bad}; choose from {', '.join(PREFILL_METHODS)}")
@@ -113,6 +119,8 @@ class BenchConfig:
             raise ValueError("encoder_hidden must be divisible by encoder_heads")
         if self.decode_fill not in ("random", "prefill"):
             raise ValueError(f"decode_fill must be 'random' or 'prefill', got {self.decode_fill!r}")
+        if self.decode_cache not in ("static", "dynamic"):
+            raise ValueError(f"decode_cache must be 'static' or 'dynamic', got {self.decode_cache!r}")
         if self.decode_context and self.decode_context <= self.window:
             raise ValueError(f"decode_context must exceed the window ({self.window}) or be 0")
 
@@ -137,6 +145,14 @@ class BenchConfig:
             return f"{setting['method']} limited to {limit} tokens (raise with --max-tokens {setting['method']}=N)"
         return None
 
+    def resolved(self) -> BenchConfig:
+        """This config with ``dtype="auto"`` replaced by the dtype it picks on this machine."""
+        if self.dtype != "auto":
+            return self
+        from cepe.compute import bf16_is_fast
+
+        return BenchConfig.from_dict({**self.to_dict(), "dtype": "bf16" if bf16_is_fast("cpu") else "fp32"})
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -148,6 +164,7 @@ class BenchConfig:
 # ---------------------------------------------------------------------------------------------- models
 def build_model(cfg: BenchConfig) -> torch.nn.Module:
     """The CEPE model over the configured decoder, in the benchmark dtype, eval mode."""
+    cfg = cfg.resolved()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
@@ -212,17 +229,21 @@ def random_ids(total: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- prefill
-def _new_cache(model: torch.nn.Module):
-    from transformers import DynamicCache
+def _new_cache(model: torch.nn.Module, max_length: int | None = None):
+    """A decoder cache: dynamic (``max_length`` None) or static, preallocated for ``max_length`` positions."""
+    from transformers import DynamicCache, StaticCache
 
-    return DynamicCache(config=model.decoder.config)
+    if max_length is None:
+        return DynamicCache(config=model.decoder.config)
+    return StaticCache(config=model.decoder.config, max_cache_len=int(max_length))
 
 
 def cepe_prefill(
-    model: torch.nn.Module, ids: torch.Tensor, window: int, mode: str = "states"
+    model: torch.nn.Module, ids: torch.Tensor, window: int, mode: str = "states", cache: Any = None
 ) -> dict[str, Any]:
     """CEPE prefill of ``ids`` ``(1, T)``: encode all but the last ``window`` tokens, run the decoder on
-    those with cross-attention. Returns the kept state ``{"context", "cache", "logits"}``."""
+    those with cross-attention (into ``cache``, a new dynamic cache by default). Returns the kept state
+    ``{"context", "cache", "logits"}``."""
     from cepe.chunking import chunk_ids
 
     n = min(window, ids.shape[1])
@@ -231,15 +252,15 @@ def cepe_prefill(
     if ctx_ids.shape[1]:
         chunks, mask = chunk_ids(ctx_ids[0], model.cepe_config.chunk_length)
         ctx = model.prepare_context(chunks[None], mask[None], cross_attention_cache=mode)
-    cache = _new_cache(model)
+    cache = _new_cache(model) if cache is None else cache
     out = model(input_ids=dec_ids, cross_context=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return {"context": ctx, "cache": cache, "logits": out.logits}
 
 
-def full_prefill(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> dict[str, Any]:
+def full_prefill(model: torch.nn.Module, ids: torch.Tensor, chunk: int, cache: Any = None) -> dict[str, Any]:
     """Full-context prefill: the decoder reads ``ids`` ``(1, T)`` ``chunk`` tokens per call into its K/V
-    cache; logits of the last position only."""
-    cache = _new_cache(model)
+    cache (a new dynamic cache by default); logits of the last position only."""
+    cache = _new_cache(model) if cache is None else cache
     logits = None
     for a in range(0, ids.shape[1], chunk):
         out = model.decoder(
@@ -323,10 +344,11 @@ def measure_prefill(model: torch.nn.Module, cfg: BenchConfig, method: str, total
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def _random_cache(model: torch.nn.Module, length: int, seed: int):
-    """A decoder K/V cache of ``length`` positions filled with random values."""
+def _random_cache(model: torch.nn.Module, length: int, seed: int, max_length: int | None = None):
+    """A decoder K/V cache of ``length`` positions filled with random values (static with room for
+    ``max_length`` positions when given, else dynamic)."""
     shape = DecoderShape.from_hf_config(model.decoder.config)
-    cache = _new_cache(model)
+    cache = _new_cache(model, max_length)
     g = torch.Generator().manual_seed(seed)
     dtype = model.dtype
     for i in range(shape.layers):
@@ -347,29 +369,40 @@ def measure_decode(
     cm = cost_model(model, cfg)
     vocab = int(model.decoder.config.vocab_size)
     n, s = cm.split(context)
+    kept = context if method == "full" else n  # positions in the decoder cache before decoding
+    room = kept + cfg.decode_tokens + 1 if cfg.decode_cache == "static" else None
     with torch.inference_mode():
         ctx = None
         if cfg.decode_fill == "prefill":
-            state = prefill(model, cfg, method, random_ids(context, vocab, cfg.seed))
+            ids = random_ids(context, vocab, cfg.seed)
+            if method == "full":
+                state = full_prefill(model, ids, cfg.full_chunk, cache=_new_cache(model, room))
+            else:
+                state = cepe_prefill(model, ids, cfg.window, mode, cache=_new_cache(model, room))
             cache, ctx = state["cache"], state.get("context")
-            if ctx is not None:
-                ctx.mode = mode
-        elif method == "full":
-            cache = _random_cache(model, context, cfg.seed)
         else:
-            cache = _random_cache(model, n, cfg.seed)
-            g = torch.Generator().manual_seed(cfg.seed + 2)
-            phi = torch.randn(1, s, model.cepe_config.encoder.hidden_size, generator=g).to(model.dtype)
-            ctx = model.prepare_context(encoder_hidden_states=phi, cross_attention_cache=mode)
+            cache = _random_cache(model, kept, cfg.seed, room)
+            if method != "full":
+                g = torch.Generator().manual_seed(cfg.seed + 2)
+                phi = torch.randn(1, s, model.cepe_config.encoder.hidden_size, generator=g).to(model.dtype)
+                ctx = model.prepare_context(encoder_hidden_states=phi, cross_attention_cache=mode)
         tok = torch.zeros(1, 1, dtype=torch.long)
         times = []
         for step in range(cfg.decode_tokens + 1):
             t0 = time.perf_counter()
+            pos = torch.tensor([kept + step])  # given, so a static cache needs no scan for its length
             if method == "full":
-                out = model.decoder(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model.decoder(
+                    input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1, cache_position=pos
+                )
             else:
                 out = model(
-                    input_ids=tok, cross_context=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1
+                    input_ids=tok,
+                    cross_context=ctx,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    cache_position=pos,
                 )
             tok = out.logits[:, -1:].argmax(-1)
             if step:  # the first step projects K/V in mode "kv" and warms kernels up
@@ -386,6 +419,7 @@ def measure_decode(
         "flops_per_s": flops * len(times) / seconds,
         "kept_tensor_bytes": kept,
         "fill": cfg.decode_fill,
+        "cache": cfg.decode_cache,
     }
 
 
@@ -424,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 2:
         print("usage: python -m cepe.bench.runner CONFIG_JSON SETTING_JSON", file=sys.stderr)
         return 2
-    cfg = BenchConfig.from_dict(json.loads(argv[0]))
+    cfg = BenchConfig.from_dict(json.loads(argv[0])).resolved()
     result = run_setting(cfg, json.loads(argv[1]))
     print("CEPE_BENCH_RESULT " + json.dumps(result))
     return 0

@@ -116,7 +116,8 @@ class TrainConfig:
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
         micro_batch_size: examples per forward per process (accumulation fills the rest).
-        bf16: bf16 autocast (fp32 losses). gradient_checkpointing: recompute activations in backward.
+        bf16: bf16 autocast (fp32 losses): ``true``, ``false`` or ``"auto"`` (bf16 where its matmuls are
+            faster than fp32 on the training device, see :mod:`cepe.compute`). gradient_checkpointing: recompute activations in backward.
         save_every, keep_checkpoints, log_every, seed, progress, num_threads: as named.
     """
 
@@ -154,7 +155,7 @@ class TrainConfig:
     steps: int = 100
     batch_size: int = 8
     micro_batch_size: int = 1
-    bf16: bool = True
+    bf16: bool | str = "auto"
     gradient_checkpointing: bool = False
     save_every: int = 50
     keep_checkpoints: int = 2
@@ -201,8 +202,9 @@ class TrainConfig:
         )
         _check(self.kl_form in KL_FORMS, f"kl_form must be one of {KL_FORMS}, got {self.kl_form!r}")
         _check(self.decoder_dtype in ("float32", "bfloat16"), "decoder_dtype must be float32 or bfloat16")
+        _check(self.bf16 in (True, False, "auto"), f"bf16 must be true, false or auto, got {self.bf16!r}")
         _check(
-            self.decoder_dtype == "float32" or self.bf16,
+            self.decoder_dtype == "float32" or self.bf16 is True,
             "decoder_dtype bfloat16 needs bf16 autocast (bf16: true) so that fp32 cross-attention matches it",
         )
         _check(self.keep_checkpoints >= 1, "keep_checkpoints must be at least 1")

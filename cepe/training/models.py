@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from cepe.compute import resolve_bf16
 from cepe.config import CepeConfig, EncoderConfig
 from cepe.encoder import EncoderForMaskedLM
 from cepe.modeling import CepeForCausalLM
@@ -143,7 +144,7 @@ class StageModule(nn.Module):
     """Wraps the stage's model so that the whole loss runs inside one ``forward`` (one DDP call).
 
     ``forward(batch)`` returns ``(loss, metrics)``; the loss is fp32 (logits cast before the softmax),
-    the forward runs under bf16 autocast when ``bf16``. With gradient checkpointing the cross-attention
+    the forward runs under bf16 autocast when ``bf16`` (``"auto"``: where bf16 is fast on the device). With gradient checkpointing the cross-attention
     context stays installed until :meth:`release` (recomputation in backward reads it); call
     :meth:`release` after ``backward``.
     """
@@ -165,7 +166,7 @@ class StageModule(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         device = batch["input_ids"].device
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_bf16(self.bf16, device)):
             if self.stage == "mlm":
                 loss, _ = self.model(batch["input_ids"], labels=batch["labels"])
                 return loss, {}

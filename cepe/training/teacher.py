@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from cepe.compute import resolve_bf16
+
 from .config import TrainConfig
 from .data import window_source
 from .losses import teacher_topk
@@ -114,7 +116,10 @@ def run_teacher(
         for start in range(j * per, (j + 1) * per, cfg.micro_batch_size):
             stop = min(start + cfg.micro_batch_size, (j + 1) * per)
             ids = torch.stack([source[i] for i in range(start, stop)]).to(dev)  # (B, T)
-            with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            with (
+                torch.no_grad(),
+                torch.autocast(dev.type, dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16, dev)),
+            ):
                 hidden = teacher.get_decoder()(input_ids=ids).last_hidden_state[:, m:-1]  # (B, n-1, D)
                 logits = teacher.get_output_embeddings()(hidden)
             p, i = teacher_topk(logits, cfg.top_k)

@@ -1,0 +1,80 @@
+"""Which compute dtype is fast here: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere.
+
+On CPUs with bf16 matrix units (AMX, AVX512-BF16) a bf16 matmul is several times faster than fp32; on
+CPUs without them (AVX2 only) PyTorch emulates bf16 and the same matmul can be a hundred times slower.
+Every ``"auto"`` dtype setting of ``cepe`` (the main job, training's ``bf16``, the benchmark's ``dtype``)
+asks :func:`bf16_is_fast`, which times one small matmul in both dtypes once per process.
+
+The environment variable ``CEPE_BF16`` overrides the measurement: ``1`` forces bf16, ``0`` forces fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+_FAST: dict[str, bool] = {}
+
+
+def _best_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
+    torch.mm(a, b)  # first call: kernel selection, allocation
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
+    """True when bf16 matrix products are faster than fp32 on ``device``.
+
+    CUDA: the device reports native bf16 support. CPU: a ``256 x 512 @ 512 x 512`` product is timed in
+    both dtypes (a few milliseconds, once per process). ``CEPE_BF16=1`` / ``0`` overrides both.
+    """
+    env = os.environ.get("CEPE_BF16", "").strip().lower()
+    if env in ("1", "true", "yes"):
+        return True
+    if env in ("0", "false", "no"):
+        return False
+    if env:
+        raise ValueError(f"CEPE_BF16 must be 1 or 0 (or unset to measure), got {env!r}")
+    dev = torch.device(device)
+    key = dev.type
+    if key not in _FAST:
+        if dev.type == "cuda":
+            _FAST[key] = bool(torch.cuda.is_bf16_supported())
+        elif dev.type == "cpu":
+            g = torch.Generator().manual_seed(0)
+            a, b = torch.randn(256, 512, generator=g), torch.randn(512, 512, generator=g)
+            fp32 = _best_seconds(a, b)
+            bf16 = _best_seconds(a.bfloat16(), b.bfloat16())
+            _FAST[key] = bf16 < fp32
+        else:
+            _FAST[key] = False
+    return _FAST[key]
+
+
+def resolve_bf16(setting: bool | str, device: str | torch.device = "cpu") -> bool:
+    """``True`` / ``False`` as given; ``"auto"`` -> :func:`bf16_is_fast` on ``device``."""
+    if setting == "auto":
+        return bf16_is_fast(device)
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"bf16 must be true, false or 'auto', got {setting!r}")
+
+
+def autocast_dtype(device: str | torch.device = "cpu") -> torch.dtype | None:
+    """``torch.bfloat16`` where bf16 is fast on ``device``, else None (run in fp32)."""
+    return torch.bfloat16 if bf16_is_fast(device) else None
+
+
+def describe(device: str | torch.device = "cpu") -> str:
+    """One line for logs: which dtype ``"auto"`` picks on ``device`` and why."""
+    if os.environ.get("CEPE_BF16", "").strip():
+        return f"{'bf16' if bf16_is_fast(device) else 'fp32'} (set by CEPE_BF16)"
+    if bf16_is_fast(device):
+        return "bf16 autocast (bf16 matmul is faster than fp32 here)"
+    return "fp32 (bf16 matmul is slower than fp32 on this machine; CEPE_BF16=1 forces bf16)"

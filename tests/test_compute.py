@@ -1,0 +1,41 @@
+"""The "auto" compute dtype: measured once, overridable, validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cepe import compute
+from cepe.training.config import load_config
+
+
+def test_override_and_resolution(monkeypatch):
+    monkeypatch.setenv("CEPE_BF16", "1")
+    assert compute.bf16_is_fast("cpu") and compute.resolve_bf16("auto") is True
+    assert compute.autocast_dtype("cpu") is torch.bfloat16
+    monkeypatch.setenv("CEPE_BF16", "0")
+    assert compute.resolve_bf16("auto") is False and compute.autocast_dtype("cpu") is None
+    assert compute.resolve_bf16(True) is True and compute.resolve_bf16(False) is False
+    monkeypatch.setenv("CEPE_BF16", "maybe")
+    with pytest.raises(ValueError, match="CEPE_BF16 must be 1 or 0"):
+        compute.bf16_is_fast("cpu")
+
+
+def test_measurement_is_cached_and_boolean(monkeypatch):
+    monkeypatch.delenv("CEPE_BF16", raising=False)
+    first = compute.bf16_is_fast("cpu")
+    assert isinstance(first, bool) and compute._FAST["cpu"] is first
+    assert compute.bf16_is_fast("cpu") is first
+    with pytest.raises(ValueError, match="bf16 must be true, false or 'auto'"):
+        compute.resolve_bf16("yes")
+
+
+def test_training_config_bf16_values(tmp_path):
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny" / "mlm.yaml"
+    assert load_config(tiny, [f"output_dir={tmp_path}"]).bf16 == "auto"
+    with pytest.raises(ValueError, match="bf16 must be true, false or auto"):
+        load_config(tiny, [f"output_dir={tmp_path}", "bf16=sometimes"])
+    with pytest.raises(ValueError, match="decoder_dtype bfloat16 needs bf16"):
+        load_config(tiny, [f"output_dir={tmp_path}", "decoder_dtype=bfloat16"])
