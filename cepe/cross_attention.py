@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .layers import ATTENTION_KERNELS, RMSNorm
@@ -122,7 +121,10 @@ class CrossAttention(nn.Module):
         else:
             if ctx.mode == "kv":
                 if self.layer_idx not in ctx.kv:
-                    ctx.kv[self.layer_idx] = self.project_kv(ctx.states.to(q.dtype))
+                    # Stored contiguous in (B, KV, S, hd): the projection's (B, S, KV, hd) layout, read
+                    # through a transpose, makes every later decode step's attention ~1.7x slower on CPU.
+                    k, v = self.project_kv(ctx.states.to(q.dtype))
+                    ctx.kv[self.layer_idx] = (k.contiguous(), v.contiguous())
                 k, v = ctx.kv[self.layer_idx]
             else:  # "states": re-project at every call
                 k, v = self.project_kv(ctx.states.to(q.dtype))
@@ -149,11 +151,7 @@ class CrossAttention(nn.Module):
         q_abs = torch.einsum("bkqd,kde->bkqe", qg, wk)  # (B, KV, G·T, D_enc)
         q_abs = q_abs.reshape(b, 1, self.num_kv * groups * t, d_enc)
         phi = states[:, None]  # (B, 1, S, D_enc)
-        if impl == "eager":
-            ctx_sum = ATTENTION_KERNELS["eager"](q_abs, phi, phi, key_mask, self.scale)
-        else:
-            mask = None if key_mask is None else key_mask[:, None, None, :]
-            ctx_sum = F.scaled_dot_product_attention(q_abs, phi, phi, attn_mask=mask, scale=self.scale)
+        ctx_sum = ATTENTION_KERNELS[impl](q_abs, phi, phi, key_mask, self.scale)
         ctx_sum = ctx_sum.reshape(b, self.num_kv, groups * t, d_enc)  # Σ p·φ per head
         out = torch.einsum("bkqe,kde->bkqd", ctx_sum, wv)  # (B, KV, G·T, hd)
         return out.reshape(b, h, t, hd)

@@ -101,9 +101,68 @@ def attention_sdpa(
     n, h, t, hd = q.shape
     kv = k.shape[1]
     groups = h // kv
+    if key_mask is None:
+        parts = split_keys_parts(n * kv, groups * t, k.shape[2], q.device)
+        if parts > 1:
+            return attention_split_keys(q, k, v, scale, parts)
     qg = q.reshape(n, kv, groups * t, hd)  # (N, KV, G·T, hd)
     mask = None if key_mask is None else key_mask[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(n, h, t, v.shape[-1])
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def split_keys_parts(units: int, queries: int, keys: int, device: torch.device) -> int:
+    """How many key blocks :func:`attention_split_keys` should use (1 = don't split).
+
+    Worth it on CPU at decode time only: few query rows, many keys, and fewer (batch x head) work units
+    than twice the threads, so the fused kernel, which parallelises over units, would leave cores idle.
+    """
+    if _FLASH_CPU is None or device.type != "cpu" or queries > 64 or keys < 4096 or torch.is_grad_enabled():
+        return 1
+    threads = torch.get_num_threads()
+    if units >= 2 * threads:
+        return 1
+    return max(1, min(16, -(-2 * threads // units)))
+
+
+def attention_split_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: int
+) -> torch.Tensor:
+    """Attention with the keys cut into ``parts`` blocks attended in parallel, merged by their
+    log-sum-exps (split-K / flash-decoding). Same result as :func:`attention_sdpa` without a key mask.
+
+    Args:
+        q: ``(N, H, T, hd)``; k, v: ``(N, KV, S, hd)``, every key valid.
+        parts: key blocks (S is cut into ``parts`` equal blocks plus, if S does not divide, a remainder).
+
+    Returns:
+        ``(N, H, T, hd_v)``.
+    """
+    n, h, t, hd = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    groups = h // kv
+    qg = q.reshape(n, kv, groups * t, hd)  # (N, KV, G·T, hd)
+    block = s // parts
+    outs, lses = [], []
+    if block:
+        main = block * parts
+        kk = k[:, :, :main].reshape(n, kv * parts, block, hd)  # (N, KV·P, S/P, hd)
+        vv = v[:, :, :main].reshape(n, kv * parts, block, v.shape[-1])
+        qq = qg[:, :, None].expand(n, kv, parts, groups * t, hd).reshape(n, kv * parts, groups * t, hd)
+        o, lse = _FLASH_CPU(qq, kk, vv, scale=scale)[:2]
+        outs.append(o.view(n, kv, parts, groups * t, -1))
+        lses.append(lse.view(n, kv, parts, groups * t))
+    if s % parts:  # the remainder keys as one more block
+        main = block * parts
+        o, lse = _FLASH_CPU(qg, k[:, :, main:], v[:, :, main:], scale=scale)[:2]
+        outs.append(o[:, :, None])
+        lses.append(lse[:, :, None])
+    o, lse = torch.cat(outs, 2), torch.cat(lses, 2)  # (N, KV, P', G·T, hd), (N, KV, P', G·T)
+    w = torch.softmax(lse.float(), dim=2)[..., None]
+    out = (o.float() * w).sum(2).to(q.dtype)  # (N, KV, G·T, hd_v)
     return out.reshape(n, h, t, v.shape[-1])
 
 

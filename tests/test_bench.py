@@ -212,3 +212,17 @@ def test_static_cache_decode_matches_dynamic(method):
         runs[room] = torch.stack(logits)
     assert type(_new_cache(model, 8)).__name__ == "StaticCache"
     torch.testing.assert_close(runs[164], runs[None], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_only_run_and_dynamic_cache(tmp_path):
+    """configs/bench/decode.json style: no prefill lengths; decode rows on either cache kind."""
+    for cache in ("static", "dynamic"):
+        cfg = tiny_cfg(lengths=[], methods=["cepe", "full"], decode_cache=cache)
+        result = run_benchmark(
+            cfg, tmp_path / cache, in_process=True, peak_matmul_size=64, peak_seconds=0.01, log=lambda s: None
+        )
+        rows = result["rows"]
+        assert [r["kind"] for r in rows] == ["decode"] * 4
+        assert all(r["cache"] == cache and r["tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="decode_cache must be"):
+        tiny_cfg(decode_cache="paged").validate()

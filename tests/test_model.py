@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from cepe import CepeForCausalLM, EncoderConfig
 from cepe.encoder import ContextEncoder
-from cepe.layers import attention_ref, attention_sdpa
+from cepe.layers import attention_ref, attention_sdpa, attention_split_keys, split_keys_parts
 from cepe.wrapping import decoder_layers
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
@@ -457,3 +457,22 @@ def test_generate_runs_the_encoder_once(tiny_model, monkeypatch):
         pad_token_id=0,
     )
     assert len(calls) == 1  # one micro-batch holds all 3 chunks: one encoder call for the whole generation
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 5000), (2, 4, 2, 3, 4099), (1, 1, 1, 9, 8192)])
+def test_split_keys_attention_matches_reference(shape):
+    """Decode-time split-K attention (blocks merged by log-sum-exp, remainder block included) equals the
+    plain reference, for any number of blocks; the SDPA entry point takes it when a decode step leaves
+    cores idle."""
+    n, h, kv, t, s = shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, h, t, 16, generator=g)
+    k, v = torch.randn(n, kv, s, 16, generator=g), torch.randn(n, kv, s, 16, generator=g)
+    ref = attention_ref(q, k, v, None, 0.25)
+    for parts in (1, 2, 3, 5):
+        torch.testing.assert_close(attention_split_keys(q, k, v, 0.25, parts), ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(attention_sdpa(q, k, v, None, 0.25), ref, rtol=1e-5, atol=1e-5)
+        assert split_keys_parts(1, 1, 100, q.device) == 1  # too few keys: not worth splitting
+        assert split_keys_parts(1, 1, 8192, q.device) >= 2
+    assert split_keys_parts(1, 1, 8192, q.device) == 1  # training (grad enabled) keeps the fused kernel

@@ -180,6 +180,7 @@ _FLAGS = {
     "decode_tokens": "decode_tokens",
     "decode_modes": "decode_modes",
     "decode_fill": "decode_fill",
+    "decode_cache": "decode_cache",
     "repeats": "repeats",
     "threads": "threads",
     "seed": "seed",
@@ -252,6 +253,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int, help="timed decode steps per setting")
     p.add_argument("--decode-modes", nargs="+", choices=("kv", "states", "absorbed"))
     p.add_argument("--decode-fill", choices=("random", "prefill"), help="how decode caches are filled")
+    p.add_argument(
+        "--decode-cache",
+        choices=("static", "dynamic"),
+        help="decoder K/V cache while decoding: preallocated (static, default) or grown by concatenation",
+    )
     p.add_argument("--repeats", type=int, help="timed prefills per setting (best reported)")
     p.add_argument("--threads", type=int, help="torch threads (0: default)")
     p.add_argument("--seed", type=int)

@@ -173,7 +173,7 @@ def build_model(cfg: BenchConfig) -> torch.nn.Module:
     if cfg.model == "tiny":
         from cepe.eval.testing import tiny_decoder
 
-        decoder = tiny_decoder(seed=cfg.seed, max_positions=max(4096, *cfg.lengths))
+        decoder = tiny_decoder(seed=cfg.seed, max_positions=max([4096, *cfg.lengths]))
     elif cfg.random_init:
         from cepe.assets import resolve_decoder
 
