@@ -302,6 +302,12 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     assert len(read_log(out)) == 3
 
 
+def test_fsdp_on_cpu_is_refused_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP was requested .* no GPU"):
+        train(_cfg("warmup", tmp_path / "f", init_encoder="null", steps=1))
+
+
 def test_gradient_checkpointing_same_losses(tmp_path):
     plain = train(_cfg("cepe", tmp_path / "p", init_adapter="null", steps=3, save_every=3))
     ckpt = train(

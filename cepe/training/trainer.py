@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -96,6 +97,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.stage in ("cepe", "ceped"))
+    if cpu_only() and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        raise ValueError(
+            "FSDP was requested (accelerate launch --use_fsdp) but this machine has no GPU, and accelerate "
+            "shards only over accelerator devices; on CPU launch without --use_fsdp (DDP over gloo)"
+        )
     acc = Accelerator(kwargs_handlers=[ddp], cpu=cpu_only())
     world, rank = acc.num_processes, acc.process_index
     accum = cfg.grad_accum(world)
