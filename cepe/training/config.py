@@ -18,7 +18,7 @@ from cepe.config import _check
 
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 KL_FORMS = ("renorm", "other")
-SYNTHETIC_KINDS = ("random", "motif")
+SYNTHETIC_KINDS = ("random", "distinct", "motif")
 
 
 @dataclass
@@ -30,8 +30,9 @@ class DataConfig:
         split: the corpus split to train on.
         ratio: ``(filter, cat)`` mixture ratio of the sequence builders (paper 2:1).
         filter_domains: domains eligible for *filter* windows (None = all).
-        synthetic: instead of a corpus, ``"random"`` tokens or repeated random ``"motif"`` s (tests, smoke
-            runs); needs no files.
+        synthetic: instead of a corpus, ``"random"`` tokens, ``"distinct"`` random tokens (no token twice
+            in a window: copying is unambiguous) or repeated random ``"motif"`` s (tests, smoke runs);
+            needs no files.
         synthetic_vocab: token ids drawn by the synthetic source (default: the decoder's vocabulary).
         seed: changes every window and every random mask.
     """

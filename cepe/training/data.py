@@ -25,8 +25,9 @@ def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
 
 
 class SyntheticWindows:
-    """Token windows that need no files: ``"random"`` uniform tokens, or a ``"motif"`` of 3-12 Zipf-distributed
-    tokens repeated (frequencies learnable at once, the rest predictable from context)."""
+    """Token windows that need no files: ``"random"`` uniform tokens, ``"distinct"`` uniform tokens without
+    repeats (a random permutation's prefix; needs ``seq_length <= vocab_size``), or a ``"motif"`` of 3-12
+    Zipf-distributed tokens repeated (frequencies learnable at once, the rest predictable from context)."""
 
     def __init__(self, kind: str, vocab_size: int, seq_length: int, seed: int = 0) -> None:
         self.kind, self.vocab_size, self.seq_length, self.seed = kind, int(vocab_size), int(seq_length), seed
@@ -35,6 +36,13 @@ class SyntheticWindows:
         g = example_generator(self.seed, _SYNTH_TAG, i)
         if self.kind == "random":
             return torch.randint(0, self.vocab_size, (self.seq_length,), generator=g)
+        if self.kind == "distinct":
+            if self.seq_length > self.vocab_size:
+                raise ValueError(
+                    f"synthetic 'distinct' windows of {self.seq_length} tokens need at least that many token ids, "
+                    f"got a vocabulary of {self.vocab_size}; shorten the window or use 'random'"
+                )
+            return torch.randperm(self.vocab_size, generator=g)[: self.seq_length]
         period = int(torch.randint(3, 13, (1,), generator=g))
         zipf = 1.0 / torch.arange(1, self.vocab_size + 1, dtype=torch.float64)
         motif = torch.multinomial(zipf, period, replacement=True, generator=g)
