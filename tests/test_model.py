@@ -476,3 +476,27 @@ def test_split_keys_attention_matches_reference(shape):
         assert split_keys_parts(1, 1, 100, q.device) == 1  # too few keys: not worth splitting
         assert split_keys_parts(1, 1, 8192, q.device) >= 2
     assert split_keys_parts(1, 1, 8192, q.device) == 1  # training (grad enabled) keeps the fused kernel
+
+
+@pytest.mark.parametrize("mode", ["kv", "absorbed"])
+def test_generate_with_static_cache_matches_dynamic(tiny_model, mode):
+    """HF's preallocated cache (``cache_implementation="static"``, no per-step concatenation) gives the
+    same greedy tokens and scores as the default growing cache."""
+    enc_ids, enc_mask = random_context(2, 3)
+    outs = {}
+    for impl in (None, "static"):
+        extra = {} if impl is None else {"cache_implementation": impl}
+        outs[impl] = tiny_model.generate(
+            _ids(2),
+            encoder_input_ids=enc_ids,
+            encoder_attention_mask=enc_mask,
+            cross_attention_cache=mode,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **extra,
+        )
+    assert torch.equal(outs[None].sequences, outs["static"].sequences)
+    torch.testing.assert_close(torch.stack(outs["static"].scores), torch.stack(outs[None].scores))
