@@ -226,3 +226,24 @@ def test_decode_only_run_and_dynamic_cache(tmp_path):
         assert all(r["cache"] == cache and r["tokens_per_s"] > 0 for r in rows)
     with pytest.raises(ValueError, match="decode_cache must be"):
         tiny_cfg(decode_cache="paged").validate()
+
+
+def test_plot_of_a_prefill_only_run(tmp_path):
+    """A run without decode settings still plots (the decode panel says there is none)."""
+    from cepe.bench.report import plot
+
+    rows = [
+        {
+            "kind": "prefill",
+            "method": m,
+            "tokens": t,
+            "tokens_per_s": 100.0 / t,
+            "peak_delta_bytes": 2**20 * t,
+        }
+        for m in ("cepe", "full")
+        for t in (8, 32)
+    ]
+    result = {"rows": rows, "config": {"model": "tiny", "dtype": "fp32"}, "machine": "cpu"}
+    out = tmp_path / "bench.png"
+    plot(result, out)
+    assert out.stat().st_size > 1000

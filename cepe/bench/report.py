@@ -245,10 +245,13 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
             ax.legend()
     dec = [r for r in rows if r["kind"] == "decode"]
     names = [r["method"] + (f"/{r['mode']}" if r.get("mode") else "") for r in dec]
-    axes[2].bar(names, [r["tokens_per_s"] for r in dec], color="tab:gray")
-    ctx = dec[0]["context"] if dec else 0
-    axes[2].set_title(f"decode after {ctx} tokens")
-    axes[2].set_ylabel("tokens / s")
+    if dec:
+        axes[2].bar(names, [r["tokens_per_s"] for r in dec], color="tab:gray")
+        axes[2].set_title(f"decode after {dec[0]['context']} tokens")
+        axes[2].set_ylabel("tokens / s")
+    else:  # a prefill-only run: say so instead of drawing empty axes
+        axes[2].axis("off")
+        axes[2].text(0.5, 0.5, "no decode settings in this run", ha="center", va="center")
     fig.suptitle(f"{result['config']['model']} ({result['config']['dtype']}), {result['machine']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
