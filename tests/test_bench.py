@@ -228,8 +228,10 @@ def test_decode_only_run_and_dynamic_cache(tmp_path):
         tiny_cfg(decode_cache="paged").validate()
 
 
-def test_plot_of_a_prefill_only_run(tmp_path):
-    """A run without decode settings still plots (the decode panel says there is none)."""
+def test_plot_of_a_prefill_only_run(tmp_path, monkeypatch):
+    """A run without decode settings plots its curves and says it has no decode (no empty axes)."""
+    from matplotlib.figure import Figure
+
     from cepe.bench.report import plot
 
     rows = [
@@ -244,6 +246,17 @@ def test_plot_of_a_prefill_only_run(tmp_path):
         for t in (8, 32)
     ]
     result = {"rows": rows, "config": {"model": "tiny", "dtype": "fp32"}, "machine": "cpu"}
+    saved = []
+    original = Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        saved.append(fig)
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
     out = tmp_path / "bench.png"
     plot(result, out)
     assert out.stat().st_size > 1000
+    throughput, memory, decode = saved[0].axes
+    assert len(throughput.lines) == len(memory.lines) == 2  # one curve per method
+    assert not decode.axison and [t.get_text() for t in decode.texts] == ["no decode settings in this run"]
