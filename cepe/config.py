@@ -11,12 +11,12 @@ from typing import Any, Literal
 
 CacheMode = Literal["kv", "states", "absorbed"]
 AttnImpl = Literal["sdpa", "eager"]
-InitMode = Literal["zero", "copy"]
+InitMode = Literal["zero", "copy", "gate"]
 ScoreScaling = Literal["none", "yarn"]
 
 CACHE_MODES = ("kv", "states", "absorbed")
 ATTN_IMPLS = ("sdpa", "eager")
-INIT_MODES = ("zero", "copy")
+INIT_MODES = ("zero", "copy", "gate")
 SCORE_SCALINGS = ("none", "yarn")
 
 
@@ -30,7 +30,9 @@ class EncoderConfig:
     """Architecture of the bidirectional context encoder (Llama-style: RMSNorm, RoPE, SwiGLU).
 
     The encoder shares the decoder's vocabulary; ``vocab_size`` may exceed the decoder's by one extra
-    ``[MASK]`` token used only by masked-LM pre-training (``mask_token_id``).
+    ``[MASK]`` token used only by masked-LM pre-training (``mask_token_id``). ``causal`` runs each chunk
+    left-to-right instead of bidirectionally (as the decoder itself reads text; an option for encoders
+    built from the decoder's own layers, see :func:`encoder_config_from_decoder`).
     """
 
     vocab_size: int
@@ -44,6 +46,7 @@ class EncoderConfig:
     rope_theta: float = 10000.0
     mask_token_id: int | None = None
     initializer_range: float = 0.02
+    causal: bool = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -95,8 +98,10 @@ class CepeConfig:
         num_cross_attn_layers: the official form: cross-attention in the LAST this-many layers.
             Mutually exclusive with ``cross_attention_layers``.
         chunk_length: L, encoder tokens per chunk.
-        init_mode: ``"zero"`` (paper: o_proj zero) or ``"copy"`` (official code: o_proj copied);
-            q/k/v are always copied from the layer's self-attention, k/v sliced to the encoder width.
+        init_mode: ``"zero"`` (paper: o_proj zero), ``"copy"`` (released code: o_proj copied) or
+            ``"gate"`` (o_proj copied, output scaled by a per-layer ``tanh(gate)`` that starts at zero,
+            Flamingo style); q/k/v are always copied from the layer's self-attention, k/v sliced to the
+            encoder width, the query norm copied from ``post_attention_layernorm`` (released code).
         attn_implementation: cross-attention (and encoder) kernel: ``"sdpa"`` or ``"eager"`` reference.
         cross_attention_cache: default generation cache mode: ``"kv"``, ``"states"`` or ``"absorbed"``.
         score_scaling: ``"yarn"`` multiplies cross-attention scores by ``(1 + 0.1 ln s)^2`` with
@@ -105,6 +110,13 @@ class CepeConfig:
         encoder_micro_batch: chunks encoded per encoder call (bounds activation memory at 128K tokens).
         pack_keys: drop padded encoder positions before cross-attention (keys carry no position).
         decoder_vocab_size: filled from the decoder; the encoder must share this vocabulary.
+        share_embeddings: the encoder reads tokens through the decoder's own (frozen) input embeddings
+            instead of a table of its own (the adapter then stores no vocabulary-sized matrix; needs
+            ``encoder.hidden_size`` = the decoder's width and ``encoder.vocab_size`` = its vocabulary).
+        mirror_self_attention: initialise cross-attention so that, on Φ made of the decoder's own
+            normalised hidden states, its scores are the layer's self-attention scores: the query norm is
+            copied from ``input_layernorm`` and that norm's weight is folded into k/v (needs D_enc = D_dec).
+            Off (default) gives the released code's init: norm from ``post_attention_layernorm``.
     """
 
     encoder: EncoderConfig
@@ -120,6 +132,8 @@ class CepeConfig:
     encoder_micro_batch: int = 64
     pack_keys: bool = True
     decoder_vocab_size: int | None = None
+    share_embeddings: bool = False
+    mirror_self_attention: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -157,6 +171,12 @@ class CepeConfig:
         )
         if self.num_cross_attn_layers is not None:
             _check(self.num_cross_attn_layers > 0, "num_cross_attn_layers must be positive")
+        if self.decoder_vocab_size is not None and self.share_embeddings:
+            _check(
+                self.encoder.vocab_size == self.decoder_vocab_size,
+                f"share_embeddings: the encoder reads the decoder's embedding table, so encoder.vocab_size "
+                f"must be the decoder's {self.decoder_vocab_size}, got {self.encoder.vocab_size}",
+            )
         if self.decoder_vocab_size is not None:
             _check(
                 self.encoder.vocab_size in (self.decoder_vocab_size, self.decoder_vocab_size + 1),
@@ -229,4 +249,64 @@ def default_encoder_config(decoder_config: Any) -> EncoderConfig:
         intermediate_size=4 * width,
         rms_norm_eps=float(getattr(decoder_config, "rms_norm_eps", 1e-5) or 1e-5),
         mask_token_id=vocab,
+    )
+
+
+# Decoder families whose layers are exactly :class:`cepe.encoder.EncoderLayer` (RMSNorm, RoPE, SwiGLU, no
+# biases), so an encoder can start as a copy of their first layers.
+ENCODER_FROM_DECODER_FAMILIES = ("llama", "mistral")
+
+
+def _rope_theta(decoder_config: Any) -> float:
+    theta = getattr(decoder_config, "rope_theta", None)
+    params = getattr(decoder_config, "rope_parameters", None) or getattr(decoder_config, "rope_scaling", None)
+    if isinstance(params, dict):
+        _check(
+            params.get("rope_type", params.get("type", "default")) == "default",
+            f"an encoder built from the decoder needs plain RoPE; the decoder uses {params}",
+        )
+        theta = params.get("rope_theta", theta)
+    return float(theta or 10000.0)
+
+
+def encoder_config_from_decoder(
+    decoder_config: Any, num_layers: int = 4, causal: bool = False
+) -> EncoderConfig:
+    """An encoder with the decoder's own layer shape (width, heads, MLP, RoPE), ``num_layers`` deep, reading
+    the decoder's vocabulary through its embeddings (no ``[MASK]`` token): the architecture that
+    :meth:`cepe.CepeForCausalLM.init_encoder_from_decoder` fills with the decoder's first layers.
+
+    Raises:
+        ValueError: a decoder family whose layers differ from the encoder's (biases, other norms or
+            activations), or more layers than the decoder has.
+    """
+    model_type = getattr(decoder_config, "model_type", None)
+    _check(
+        model_type in ENCODER_FROM_DECODER_FAMILIES,
+        f"an encoder built from the decoder needs Llama-shaped layers ({ENCODER_FROM_DECODER_FAMILIES}); "
+        f"got {model_type!r}: use a separate encoder (encoder config fields) instead",
+    )
+    for flag in ("attention_bias", "mlp_bias"):
+        _check(
+            not getattr(decoder_config, flag, False), f"the decoder uses {flag}; the encoder has no biases"
+        )
+    act = getattr(decoder_config, "hidden_act", "silu")
+    _check(act == "silu", f"the decoder's MLP uses {act!r}; the encoder's is SwiGLU (silu)")
+    n_dec = int(decoder_config.num_hidden_layers)
+    _check(
+        0 < num_layers <= n_dec,
+        f"encoder layers must be in 1..{n_dec} (the decoder's depth), got {num_layers}",
+    )
+    heads = int(decoder_config.num_attention_heads)
+    return EncoderConfig(
+        vocab_size=int(decoder_config.vocab_size),
+        hidden_size=int(decoder_config.hidden_size),
+        num_hidden_layers=int(num_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(decoder_config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(decoder_config, "head_dim", None) or decoder_config.hidden_size // heads),
+        intermediate_size=int(decoder_config.intermediate_size),
+        rms_norm_eps=float(getattr(decoder_config, "rms_norm_eps", 1e-5) or 1e-5),
+        rope_theta=_rope_theta(decoder_config),
+        causal=bool(causal),
     )

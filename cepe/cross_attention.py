@@ -89,6 +89,7 @@ class CrossAttention(nn.Module):
         head_dim: int,
         eps: float,
         layer_idx: int,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -101,6 +102,8 @@ class CrossAttention(nn.Module):
         self.k_proj = nn.Linear(encoder_hidden, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(encoder_hidden, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, decoder_hidden, bias=False)
+        # Flamingo-style gate (init_mode "gate"): the update is scaled by tanh(gate), zero at init.
+        self.gate = nn.Parameter(torch.zeros(1)) if gated else None
 
     def project_kv(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Φ ``(B, S, D_enc)`` -> K, V ``(B, KV, S, hd)``."""
@@ -130,6 +133,8 @@ class CrossAttention(nn.Module):
                 k, v = self.project_kv(ctx.states.to(q.dtype))
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        if self.gate is not None:
+            out = out * torch.tanh(self.gate).to(out.dtype)
         if ctx.has_context is not None:
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
@@ -157,14 +162,35 @@ class CrossAttention(nn.Module):
         return out.reshape(b, h, t, hd)
 
     @torch.no_grad()
-    def init_from_self_attention(self, self_attn: nn.Module, mode: str) -> None:
-        """Paper init: q/k/v copied from the layer's self-attention (k/v: first D_enc input columns);
-        o_proj zero (``mode="zero"``) or copied (``mode="copy"``, as the official code does)."""
+    def init_from_self_attention(
+        self,
+        self_attn: nn.Module,
+        mode: str,
+        norm: torch.Tensor | None = None,
+        fold: torch.Tensor | None = None,
+    ) -> None:
+        """Initialise from the layer's self-attention.
+
+        q/k/v are copied (k/v: the first D_enc input columns); o_proj is zero (``mode="zero"``, the paper)
+        or copied (``"copy"``, the released code; ``"gate"`` also copies it, behind a zero gate).
+
+        Args:
+            norm: ``(D_dec,)`` weight for the query norm (the released code copies the layer's
+                ``post_attention_layernorm``); None gives ones.
+            fold: ``(D_dec,)`` a decoder norm's weight folded into the k/v input columns, so that on
+                unit-RMS states Φ the projections equal the self-attention's on that norm's output.
+        """
         n = min(self.k_proj.weight.shape[1], self_attn.k_proj.weight.shape[1])  # D_enc (< D_dec in practice)
         self.q_proj.weight.copy_(self_attn.q_proj.weight)
-        self.k_proj.weight[:, :n].copy_(self_attn.k_proj.weight[:, :n])
-        self.v_proj.weight[:, :n].copy_(self_attn.v_proj.weight[:, :n])
+        wk, wv = self_attn.k_proj.weight[:, :n], self_attn.v_proj.weight[:, :n]
+        if fold is not None:
+            wk, wv = wk * fold[:n].to(wk.dtype), wv * fold[:n].to(wv.dtype)
+        self.k_proj.weight[:, :n].copy_(wk)
+        self.v_proj.weight[:, :n].copy_(wv)
+        self.layernorm.weight.copy_(norm if norm is not None else torch.ones_like(self.layernorm.weight))
         if mode == "zero":
             self.o_proj.weight.zero_()
         else:
             self.o_proj.weight.copy_(self_attn.o_proj.weight)
+        if self.gate is not None:
+            self.gate.zero_()

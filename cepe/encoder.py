@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
-from .layers import ATTENTION_KERNELS, RMSNorm, apply_rope, rope_cos_sin
+from .layers import ATTENTION_KERNELS, RMSNorm, apply_rope, repeat_kv, rope_cos_sin
 
 
 class EncoderAttention(nn.Module):
@@ -32,6 +32,8 @@ class EncoderAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
+        self.causal = cfg.causal
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None, impl: str
     ) -> torch.Tensor:
@@ -40,8 +42,43 @@ class EncoderAttention(nn.Module):
         k = self.k_proj(x).view(n, length, self.num_kv, self.head_dim).transpose(1, 2)  # (N, KV, L, hd)
         v = self.v_proj(x).view(n, length, self.num_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ATTENTION_KERNELS[impl](q, k, v, key_mask, 1.0 / math.sqrt(self.head_dim))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.causal:
+            out = causal_attention(q, k, v, key_mask, scale, impl)
+        else:
+            out = ATTENTION_KERNELS[impl](q, k, v, key_mask, scale)
         return self.o_proj(out.transpose(1, 2).reshape(n, length, -1))
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float, impl: str
+) -> torch.Tensor:
+    """Left-to-right attention within each chunk: query i sees keys ``j <= i`` that are real.
+
+    Args:
+        q: ``(N, H, L, hd)``; k, v: ``(N, KV, L, hd)``; key_mask: ``(N, L)`` bool or None.
+        impl: ``"eager"`` (plain reference: masked scores, fp32 softmax) or ``"sdpa"`` (fused).
+
+    Returns:
+        ``(N, H, L, hd)``.
+    """
+    length = q.shape[2]
+    allowed = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()  # (L, L)
+    if key_mask is not None:
+        # a query with no real key at or before it (a leading pad) may see every real key: its output
+        # is never read, the row only has to stay finite
+        allowed = allowed[None] & key_mask[:, None, :]  # (N, L, L)
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        allowed = allowed[:, None]  # (N, 1, L, L)
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+    if impl == "sdpa":
+        if key_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class EncoderMLP(nn.Module):
@@ -69,14 +106,26 @@ class EncoderLayer(nn.Module):
 
 
 class ContextEncoder(nn.Module):
-    """Bidirectional encoder applied to every chunk independently (positions 0..L-1 in each chunk)."""
+    """Bidirectional encoder applied to every chunk independently (positions 0..L-1 in each chunk).
 
-    def __init__(self, cfg: EncoderConfig, attn_implementation: str = "sdpa") -> None:
+    ``shared_embeddings``: read tokens through this (frozen) embedding module, the decoder's, instead of
+    a table of its own; it is then not a submodule (not saved with the adapter, not trained).
+    """
+
+    def __init__(
+        self,
+        cfg: EncoderConfig,
+        attn_implementation: str = "sdpa",
+        shared_embeddings: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.attn_implementation = attn_implementation
         self.gradient_checkpointing = False
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if shared_embeddings is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.__dict__["_shared_embeddings"] = shared_embeddings  # not registered: not ours to save
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters()
@@ -89,6 +138,11 @@ class ContextEncoder(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``(N, L) -> (N, L, D)`` (the decoder's when shared)."""
+        shared = self.__dict__.get("_shared_embeddings")
+        return self.embed_tokens(input_ids) if shared is None else shared(input_ids)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Encode a batch of chunks.
 
@@ -99,7 +153,7 @@ class ContextEncoder(nn.Module):
         Returns:
             Last hidden states after the final norm, ``(N, L, D)``.
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids).to(self.norm.weight.dtype)
         cos, sin = rope_cos_sin(
             input_ids.shape[1], self.config.head_dim, self.config.rope_theta, x.device, x.dtype
         )
@@ -140,7 +194,7 @@ class ContextEncoder(nn.Module):
             mask = torch.ones_like(ids, dtype=torch.bool)
         else:
             mask = encoder_attention_mask.reshape(b * k, length).bool()
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.norm.weight.dtype
         if torch.is_autocast_enabled(ids.device.type):
             dtype = torch.get_autocast_dtype(ids.device.type)
         states = torch.zeros(b * k, length, self.config.hidden_size, dtype=dtype, device=ids.device)

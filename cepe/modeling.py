@@ -25,7 +25,7 @@ from .config import CACHE_MODES, CepeConfig, default_encoder_config
 from .cross_attention import CrossContext
 from .encoder import ContextEncoder
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
-from .wrapping import ContextSlot, attach_cross_attention, decoder_layers
+from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of, norm_scale
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "cepe_config.json"
@@ -53,12 +53,28 @@ class CepeForCausalLM(nn.Module):
         self._slot = ContextSlot()
         n_layers = len(decoder_layers(decoder))
         self.cross_layers = cepe_config.layer_indices(n_layers)
-        attach_cross_attention(decoder, self.cross_layers, cepe_config.encoder.hidden_size, self._slot)
+        attach_cross_attention(
+            decoder,
+            self.cross_layers,
+            cepe_config.encoder.hidden_size,
+            self._slot,
+            gated=cepe_config.init_mode == "gate",
+        )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
         self.decoder = decoder
         p = next(decoder.parameters())
-        self.encoder = ContextEncoder(cepe_config.encoder, cepe_config.attn_implementation).to(p.device)
+        shared = None
+        if cepe_config.share_embeddings:
+            shared = decoder.get_input_embeddings()
+            if cepe_config.encoder.hidden_size != shared.weight.shape[1]:
+                raise ValueError(
+                    f"share_embeddings needs encoder.hidden_size = the decoder's embedding width "
+                    f"{shared.weight.shape[1]}, got {cepe_config.encoder.hidden_size}"
+                )
+        self.encoder = ContextEncoder(cepe_config.encoder, cepe_config.attn_implementation, shared).to(
+            p.device
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -90,11 +106,42 @@ class CepeForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_cross_attention(self, mode: str = "zero") -> None:
-        """(Re-)initialise every cross-attention from its layer's self-attention (see CrossAttention)."""
+        """(Re-)initialise every cross-attention from its layer's self-attention (see
+        :meth:`CrossAttention.init_from_self_attention`): the query norm from the layer's pre-MLP norm
+        (the released code), or with ``mirror_self_attention`` from ``input_layernorm``, folded into k/v."""
+        family = family_of(self.decoder)
         layers = decoder_layers(self.decoder)
+        mirror = self.cepe_config.mirror_self_attention
+        if mirror and self.cepe_config.encoder.hidden_size != int(self.decoder.config.hidden_size):
+            raise ValueError(
+                "mirror_self_attention needs an encoder as wide as the decoder "
+                f"({self.decoder.config.hidden_size}), got {self.cepe_config.encoder.hidden_size}"
+            )
         for i in self.cross_layers:
-            layers[i].cross_attn.layernorm.weight.fill_(1.0)
-            layers[i].cross_attn.init_from_self_attention(layers[i].self_attn, mode)
+            layer = layers[i]
+            pre_mlp = norm_scale(getattr(layer, family.pre_mlp_norm))
+            fold = norm_scale(getattr(layer, family.residual_tap)) if mirror else None
+            layer.cross_attn.init_from_self_attention(
+                layer.self_attn, mode, norm=fold if mirror else pre_mlp, fold=fold
+            )
+
+    @torch.no_grad()
+    def init_encoder_from_decoder(self) -> None:
+        """Copy the decoder's first ``encoder.num_hidden_layers`` layers into the encoder (its final norm
+        set to ones, so Φ is the decoder's unit-RMS hidden state after those layers when the encoder is
+        causal). The encoder must have the decoder's layer shape: see
+        :func:`cepe.config.encoder_config_from_decoder`."""
+        layers = decoder_layers(self.decoder)
+        for j, enc_layer in enumerate(self.encoder.layers):
+            src = {k: v for k, v in layers[j].state_dict().items() if ".cross_attn." not in f".{k}"}
+            src = {k: v for k, v in src.items() if not k.startswith("cross_attn.")}
+            missing, unexpected = enc_layer.load_state_dict(src, strict=False)
+            if missing or unexpected:
+                raise ValueError(
+                    f"decoder layer {j} does not fit the encoder layer: missing {missing[:4]}, "
+                    f"unexpected {unexpected[:4]}; build the encoder with encoder_config_from_decoder"
+                )
+        self.encoder.norm.weight.fill_(1.0)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .cross_attention import CrossAttention, CrossContext
@@ -29,15 +30,18 @@ class DecoderFamily:
         layers: attribute path from the ``*ForCausalLM`` model to its list of decoder layers.
         residual_tap: module of each layer whose input is the residual stream before self-attention.
         branch: module whose output is added to the residual stream right after self-attention.
+        pre_mlp_norm: the norm applied to the residual stream before the MLP (the released code copies
+            its weight into the cross-attention's query norm).
     """
 
     layers: str = "model.layers"
     residual_tap: str = "input_layernorm"
     branch: str = "self_attn"
+    pre_mlp_norm: str = "post_attention_layernorm"
 
 
 _LLAMA_LIKE = DecoderFamily()
-_GEMMA_LIKE = DecoderFamily(branch="post_attention_layernorm")
+_GEMMA_LIKE = DecoderFamily(branch="post_attention_layernorm", pre_mlp_norm="pre_feedforward_layernorm")
 
 FAMILIES: dict[str, DecoderFamily] = {
     "llama": _LLAMA_LIKE,
@@ -74,6 +78,13 @@ def family_of(decoder: nn.Module) -> DecoderFamily:
     )
 
 
+def norm_scale(norm: nn.Module) -> torch.Tensor:
+    """The multiplicative weight of a decoder RMSNorm: ``weight``, or ``1 + weight`` for the Gemma
+    families, whose norms store the offset from one."""
+    w = norm.weight
+    return 1.0 + w if type(norm).__name__.startswith("Gemma") else w
+
+
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
     """The decoder's list of transformer layers."""
     return _get(decoder, family_of(decoder).layers)
@@ -100,7 +111,7 @@ class ContextSlot:
 
 
 def attach_cross_attention(
-    decoder: nn.Module, layer_indices: list[int], encoder_hidden: int, slot: ContextSlot
+    decoder: nn.Module, layer_indices: list[int], encoder_hidden: int, slot: ContextSlot, gated: bool = False
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -119,7 +130,9 @@ def attach_cross_attention(
         layer = layers[i]
         if hasattr(layer, "cross_attn"):
             raise ValueError(f"decoder layer {i} already has cross-attention; wrap a fresh decoder")
-        cross = CrossAttention(cfg.hidden_size, encoder_hidden, num_heads, num_kv, head_dim, eps, layer_idx=i)
+        cross = CrossAttention(
+            cfg.hidden_size, encoder_hidden, num_heads, num_kv, head_dim, eps, layer_idx=i, gated=gated
+        )
         p = next(decoder.parameters())
         cross.to(device=p.device, dtype=p.dtype)
         layer.cross_attn = cross

@@ -34,6 +34,8 @@ class DataConfig:
             in a window: copying is unambiguous) or repeated random ``"motif"`` s (tests, smoke runs);
             needs no files.
         synthetic_vocab: token ids drawn by the synthetic source (default: the decoder's vocabulary).
+        shuffle: permute the tokens of every window (seeded by the example): the decoder then cannot
+            predict the next token from language, only by copying it from the encoder (copy warmup).
         seed: changes every window and every random mask.
     """
 
@@ -43,6 +45,7 @@ class DataConfig:
     filter_domains: list[str] | None = None
     synthetic: str | None = None
     synthetic_vocab: int | None = None
+    shuffle: bool = False
     seed: int = 0
 
     def validate(self) -> None:
@@ -94,6 +97,10 @@ class TrainConfig:
             its vocabulary plus one ``[MASK]`` token).
         cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...).
         init_encoder: an MLM stage output directory; the encoder starts from it (warmup).
+        encoder_init: ``"random"`` (an encoder of its own, sized by ``encoder``) or ``"decoder"``: the
+            encoder is a copy of the decoder's first ``encoder.num_hidden_layers`` layers (default 4) at
+            the decoder's width, reading the decoder's embeddings (shared, not stored);
+            ``encoder.causal`` runs it left-to-right within each chunk. No MLM stage is needed.
         init_adapter: a cepe adapter directory (a previous stage's output) to continue from.
 
     Layout:
@@ -131,6 +138,7 @@ class TrainConfig:
     cepe: dict[str, Any] = field(default_factory=dict)
     init_encoder: str | None = None
     init_adapter: str | None = None
+    encoder_init: str = "random"
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # layouts
@@ -222,6 +230,21 @@ class TrainConfig:
             _check(self.init_adapter is None, "the mlm stage trains the encoder alone; remove init_adapter")
         for key in ("vocab_size", "mask_token_id"):
             _check(key not in self.encoder, f"encoder.{key} is filled from the decoder; remove it")
+        _check(
+            self.encoder_init in ("random", "decoder"),
+            f"encoder_init must be 'random' or 'decoder', got {self.encoder_init!r}",
+        )
+        if self.encoder_init == "decoder":
+            extra = sorted(set(self.encoder) - {"num_hidden_layers", "causal"})
+            _check(
+                not extra,
+                f"encoder_init: decoder takes the decoder's layer shape; only encoder.num_hidden_layers and "
+                f"encoder.causal may be set, got {extra}",
+            )
+            _check(
+                self.init_encoder is None and self.stage != "mlm",
+                "encoder_init: decoder needs no MLM stage: remove init_encoder (and run warmup/cepe directly)",
+            )
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -257,6 +280,11 @@ class TrainConfig:
         d = self.to_dict()
         for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
             d.pop(key, None)
+        # fields added later are left out at their defaults, so older runs keep their fingerprint
+        if d.get("encoder_init") == "random":
+            d.pop("encoder_init")
+        if not d["data"].get("shuffle"):
+            d["data"].pop("shuffle", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from .config import TrainConfig
 
-_MLM_TAG, _NOISE_TAG, _SYNTH_TAG = 11, 13, 17
+_MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG = 11, 13, 17, 19
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -99,6 +99,11 @@ def build_example(cfg: TrainConfig, window: torch.Tensor, index: int, mask_token
     from cepe.data.sequences import mlm_example, split_for_cepe, split_for_warmup
 
     seed = cfg.data.seed
+    if cfg.data.shuffle:
+        window = torch.as_tensor(window)
+        window = window[
+            torch.randperm(window.shape[-1], generator=example_generator(seed, _SHUFFLE_TAG, index))
+        ]
     if cfg.stage == "mlm":
         if mask_token_id is None:
             raise ValueError("the mlm stage needs a mask token id")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from cepe.compute import resolve_bf16
-from cepe.config import CepeConfig, EncoderConfig
+from cepe.config import CepeConfig, EncoderConfig, encoder_config_from_decoder
 from cepe.encoder import EncoderForMaskedLM
 from cepe.modeling import CepeForCausalLM
 
@@ -124,14 +124,26 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         kw.setdefault("chunk_length", cfg.stage_chunk_length)
         if cfg.stage != "warmup":
             kw.setdefault("train_context_tokens", cfg.n_chunks * cfg.chunk_length)
-        cepe_cfg = CepeConfig(encoder=encoder_config(cfg, vocab), **kw)
+        if cfg.encoder_init == "decoder":
+            enc = encoder_config_from_decoder(
+                decoder.config,
+                num_layers=int(cfg.encoder.get("num_hidden_layers", 4)),
+                causal=bool(cfg.encoder.get("causal", False)),
+            )
+            kw["share_embeddings"] = True
+        else:
+            enc = encoder_config(cfg, vocab)
+        cepe_cfg = CepeConfig(encoder=enc, **kw)
         if cepe_cfg.decoder_name_or_path is None:
             cepe_cfg.decoder_name_or_path = "tiny" if cfg.tiny_decoder is not None else cfg.decoder
         model = CepeForCausalLM.from_decoder(decoder, cepe_cfg)
+        if cfg.encoder_init == "decoder":
+            model.init_encoder_from_decoder()
         if cfg.init_encoder is not None:
             load_encoder_weights(model, cfg.init_encoder)
     for m in model.cross_attention_modules():
         m.float()  # trainable weights stay fp32 (AdamW) even over a bf16 decoder
+    model.encoder.float()
     return model
 
 
