@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-for cfg in "${@:-configs/train/recipe/copy_zero_bidir.yaml configs/train/recipe/copy_zero_causal_mirror.yaml configs/train/recipe/copy_gate_causal_mirror.yaml configs/train/recipe/copy_zero_bidir_mirror.yaml configs/train/recipe/copy_zero_random.yaml}"; do
+for cfg in "${@:-configs/train/recipe/copy_zero_bidir.yaml configs/train/recipe/copy_zero_causal_mirror.yaml configs/train/recipe/copy_gate_causal_mirror.yaml configs/train/recipe/copy_zero_causal_mirror_frozen.yaml configs/train/recipe/copy_zero_bidir_mirror.yaml configs/train/recipe/copy_zero_random.yaml}"; do
   for c in $cfg; do
     out=runs/recipe/$(basename "$c" .yaml)
     [ -f "$out/adapter_model.safetensors" ] && { echo "== $c: done"; continue; }

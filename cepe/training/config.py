@@ -34,8 +34,9 @@ class DataConfig:
             in a window: copying is unambiguous) or repeated random ``"motif"`` s (tests, smoke runs);
             needs no files.
         synthetic_vocab: token ids drawn by the synthetic source (default: the decoder's vocabulary).
-        shuffle: permute the tokens of every window (seeded by the example): the decoder then cannot
-            predict the next token from language, only by copying it from the encoder (copy warmup).
+        shuffle: the fraction of windows whose tokens are permuted (``true`` = all; seeded by the example):
+            the decoder then cannot predict the next token from language, only by copying it from the
+            encoder (copy warmup).
         seed: changes every window and every random mask.
     """
 
@@ -45,7 +46,7 @@ class DataConfig:
     filter_domains: list[str] | None = None
     synthetic: str | None = None
     synthetic_vocab: int | None = None
-    shuffle: bool = False
+    shuffle: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -60,6 +61,10 @@ class DataConfig:
                 f"data.synthetic must be one of {SYNTHETIC_KINDS}, got {self.synthetic!r}",
             )
         _check(len(self.ratio) == 2, f"data.ratio must be [filter, cat], got {self.ratio!r}")
+        _check(
+            0.0 <= float(self.shuffle) <= 1.0,
+            f"data.shuffle must be in [0, 1] (or true/false), got {self.shuffle}",
+        )
 
 
 @dataclass
@@ -106,6 +111,10 @@ class TrainConfig:
     Layout:
         mlm_seq_length, mask_rate: MLM sequences (paper 512, 30 %).
         warmup_tokens, warmup_chunks: copy warmup: n tokens to both sides, the encoder as k chunks (256, 4).
+        warmup_decoder_tokens: copy warmup where the decoder gets only a span of this many tokens from a
+            seeded random place of the encoder's n tokens (it must find the span among the k chunks:
+            retrieval, not only copying); None = the whole n (the paper's duplicate task).
+        freeze_encoder: train only the cross-attention (the encoder keeps its initial weights).
         n_decoder, chunk_length, n_chunks: CEPE / CEPED: the last n tokens to the decoder, the first K·L
             as K chunks to the encoder (paper 4096 + 16×256).
         chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
@@ -146,6 +155,8 @@ class TrainConfig:
     mask_rate: float = 0.3
     warmup_tokens: int = 256
     warmup_chunks: int = 4
+    warmup_decoder_tokens: int | None = None
+    freeze_encoder: bool = False
     n_decoder: int = 4096
     chunk_length: int = 256
     n_chunks: int = 16
@@ -200,6 +211,12 @@ class TrainConfig:
         ):
             _check(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(0.0 < self.mask_rate < 1.0, f"mask_rate must be in (0, 1), got {self.mask_rate}")
+        if self.warmup_decoder_tokens is not None:
+            _check(
+                1 < self.warmup_decoder_tokens <= self.warmup_tokens,
+                f"warmup_decoder_tokens must be in 2..warmup_tokens ({self.warmup_tokens}), got "
+                f"{self.warmup_decoder_tokens}",
+            )
         _check(
             self.warmup_tokens % self.warmup_chunks == 0,
             f"warmup_tokens {self.warmup_tokens} must be a multiple of warmup_chunks {self.warmup_chunks}",
@@ -285,6 +302,9 @@ class TrainConfig:
             d.pop("encoder_init")
         if not d["data"].get("shuffle"):
             d["data"].pop("shuffle", None)
+        for key in ("warmup_decoder_tokens", "freeze_encoder"):
+            if not d.get(key):
+                d.pop(key, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike[str]) -> None:

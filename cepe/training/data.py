@@ -15,7 +15,7 @@ import torch
 
 from .config import TrainConfig
 
-_MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG = 11, 13, 17, 19
+_MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG = 11, 13, 17, 19, 23
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -100,10 +100,11 @@ def build_example(cfg: TrainConfig, window: torch.Tensor, index: int, mask_token
 
     seed = cfg.data.seed
     if cfg.data.shuffle:
-        window = torch.as_tensor(window)
-        window = window[
-            torch.randperm(window.shape[-1], generator=example_generator(seed, _SHUFFLE_TAG, index))
-        ]
+        g = example_generator(seed, _SHUFFLE_TAG, index)
+        frac = float(cfg.data.shuffle)
+        if frac >= 1.0 or float(torch.rand((), generator=g)) < frac:
+            window = torch.as_tensor(window)
+            window = window[torch.randperm(window.shape[-1], generator=g)]
     if cfg.stage == "mlm":
         if mask_token_id is None:
             raise ValueError("the mlm stage needs a mask token id")
@@ -114,6 +115,11 @@ def build_example(cfg: TrainConfig, window: torch.Tensor, index: int, mask_token
     if cfg.stage == "warmup":
         enc, dec = split_for_warmup(window, cfg.warmup_tokens, cfg.warmup_chunks)
         mask = torch.ones_like(enc, dtype=torch.bool)
+        span = cfg.warmup_decoder_tokens
+        if span is not None and span < dec.shape[-1]:
+            g = example_generator(seed, _SPAN_TAG, index)
+            start = int(torch.randint(0, dec.shape[-1] - span + 1, (1,), generator=g))
+            dec = dec[start : start + span].clone()
     else:
         enc, dec = split_for_cepe(window, cfg.n_decoder, cfg.chunk_length, cfg.n_chunks)
         mask = torch.ones_like(enc, dtype=torch.bool)

@@ -144,6 +144,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     for m in model.cross_attention_modules():
         m.float()  # trainable weights stay fp32 (AdamW) even over a bf16 decoder
     model.encoder.float()
+    if cfg.freeze_encoder:
+        model.encoder.requires_grad_(False)
     return model
 
 

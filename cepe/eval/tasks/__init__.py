@@ -8,6 +8,8 @@
 | ``icl`` | :mod:`.icl` | in-context learning (§6, App. C.2) |
 | ``longdoc`` | :mod:`.longdoc` | ZeroSCROLLS-style long-document tasks (§7, App. C.3) |
 | ``needle`` | :mod:`.needle` | needle in a haystack (App. D) |
+| ``copy`` | :mod:`.copy` | copy probe: a passage in the encoder, continued by the decoder |
+| ``fixedppl`` | :mod:`.fixedppl` | perplexity of fixed targets against context length |
 """
 
-TASKS = ("lm", "ralm", "qa", "icl", "longdoc", "needle")
+TASKS = ("lm", "ralm", "qa", "icl", "longdoc", "needle", "copy", "fixedppl")

@@ -1,0 +1,112 @@
+"""Fixed-target perplexity against context length.
+
+Each sequence fixes one decoder window (its last ``eval_tokens`` tokens are scored) and varies only how
+much of the text before it the model gets: ``contexts`` tokens (0, 512, ..., 32K). CEPE reads that text in
+its encoder; ``full`` and ``streamingllm`` read it in the decoder, ``replug`` as pieces, ``truncated``
+never. Because the scored tokens and the window never change, a falling curve shows that the context is
+read (the ``lm`` task moves its windows between totals, so its columns cannot show this).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from cepe.eval.common import EvalSetup, chunk_tail_aligned, iter_source, limit_items, run_examples
+from cepe.eval.methods import standard_request
+
+DEFAULT_SOURCES = [{"name": "essays", "corpus": "essays"}]
+
+
+@dataclass
+class Config:
+    """Settings.
+
+    Attributes:
+        sources: document sources (see :func:`cepe.eval.common.iter_source`); use held-out documents.
+        contexts: tokens of earlier text given to the model (0 = the window alone).
+        decoder_window: tokens in the decoder, scored tokens included (fixed for every context length).
+        eval_tokens: scored tokens at the end of the window.
+        chunk_length: encoder chunk length (and REPLUG piece length unless ``replug_piece_length``).
+        sequences: sequences in all (one per document, documents in seeded order).
+        max_documents: documents read per source (None = all).
+        seed: picks documents and offsets.
+        replug_piece_length, replug_max_pieces: as in the ``lm`` task.
+    """
+
+    sources: list[dict[str, Any]] = field(default_factory=lambda: list(DEFAULT_SOURCES))
+    contexts: list[int] = field(default_factory=lambda: [0, 512, 1024, 2048, 4096, 7680])
+    decoder_window: int = 256
+    eval_tokens: int = 128
+    chunk_length: int = 256
+    sequences: int = 8
+    max_documents: int | None = None
+    seed: int = 0
+    replug_piece_length: int | None = None
+    replug_max_pieces: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.eval_tokens <= self.decoder_window:
+            raise ValueError(
+                f"eval_tokens ({self.eval_tokens}) must be in 1..decoder_window ({self.decoder_window})"
+            )
+        if not self.contexts or min(self.contexts) < 0:
+            raise ValueError(f"contexts must be non-negative token counts, got {self.contexts}")
+
+
+def fixed_sequences(docs: list[list[int]], cfg: Config) -> list[list[int]]:
+    """Sequences of ``max(contexts) + decoder_window`` tokens, one per long-enough document."""
+    need = max(cfg.contexts) + cfg.decoder_window
+    rng = random.Random(cfg.seed)
+    order = [i for i, d in enumerate(docs) if len(d) >= need]
+    rng.shuffle(order)
+    out = []
+    for i in order[: cfg.sequences]:
+        off = rng.randint(0, len(docs[i]) - need)
+        out.append(list(docs[i][off : off + need]))
+    return out
+
+
+def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+    """Perplexity of the fixed targets for every method and context length."""
+    docs: list[list[int]] = []
+    for src in cfg.sources:
+        docs.extend(setup.encode(d["text"]) for d in iter_source({"max_documents": cfg.max_documents, **src}))
+    seqs = limit_items(fixed_sequences(docs, cfg), None, setup)
+    notes = []
+    if not seqs:
+        notes.append(f"no document has {max(cfg.contexts) + cfg.decoder_window} tokens; nothing scored")
+        return {"task": "fixedppl", "rows": [], "notes": notes, "plot_x": "context"}
+    rows = []
+    w = cfg.decoder_window
+    for context in sorted(cfg.contexts):
+        for method in setup.methods:
+
+            def score(m, seq, _c=context, _method=method):
+                before = seq[len(seq) - w - _c : len(seq) - w]
+                piece = (
+                    cfg.replug_piece_length
+                    if _method == "replug" and cfg.replug_piece_length
+                    else cfg.chunk_length
+                )
+                pieces = chunk_tail_aligned(before, piece) if _c else []
+                if _method == "replug" and cfg.replug_max_pieces:
+                    pieces = pieces[-cfg.replug_max_pieces :]
+                req = standard_request(_method, pieces, seq[-w:], cfg.eval_tokens)
+                lp = m.score([req])[0]
+                return float(-lp.sum()), req.num_tokens
+
+            nll, cost = run_examples(setup, method, seqs, score, f"fixedppl context={context}")
+            rows.append(
+                {
+                    "method": method,
+                    "setting": {"context": context, "decoder_window": w},
+                    "metric": "ppl",
+                    "value": math.exp(sum(nll) / (len(seqs) * cfg.eval_tokens)),
+                    "n": len(seqs),
+                    **cost,
+                }
+            )
+    return {"task": "fixedppl", "rows": rows, "notes": notes, "plot_x": "context"}

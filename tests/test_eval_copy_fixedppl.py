@@ -1,0 +1,81 @@
+"""The copy probe and the fixed-target perplexity curve on a tiny random model (CPU, seconds)."""
+
+import math
+
+import pytest
+import torch
+
+from cepe.eval.cli import load_setup, run_task
+from cepe.eval.tasks.copy import Config as CopyConfig
+from cepe.eval.tasks.copy import passages
+from cepe.eval.tasks.fixedppl import Config as FixedConfig
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+
+
+def _docs(n, sentences=60):
+    return [
+        {"id": f"d{i}", "text": " ".join(f"{WORDS[(i * j + j) % len(WORDS)]} {j}." for j in range(sentences))}
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    s = load_setup("tiny", ["cepe", "full", "truncated"], progress=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an untrained adapter has a zero o_proj: give the context an effect
+        for m in s.cepe_model.cross_attention_modules():
+            m.o_proj.weight.copy_(torch.randn(m.o_proj.weight.shape, generator=g) * 0.5)
+    return s
+
+
+def _by(rows, **setting):
+    return {r["method"]: r["value"] for r in rows if all(r["setting"][k] == v for k, v in setting.items())}
+
+
+def test_fixedppl_targets_do_not_move(setup):
+    cfg = {"sources": [{"documents": _docs(3)}], "contexts": [0, 64, 128], "decoder_window": 48,
+           "eval_tokens": 16, "chunk_length": 32, "sequences": 2}
+    rows = run_task("fixedppl", setup, cfg)["rows"]
+    assert len(rows) == 9
+    at0 = _by(rows, context=0)
+    # with no earlier text every method reads exactly the window
+    assert at0["cepe"] == pytest.approx(at0["truncated"], rel=1e-5)
+    assert at0["full"] == pytest.approx(at0["truncated"], rel=1e-5)
+    truncated = [r["value"] for r in rows if r["method"] == "truncated"]
+    assert max(truncated) == pytest.approx(min(truncated), rel=1e-6)  # same targets at every length
+    assert _by(rows, context=128)["cepe"] != pytest.approx(at0["cepe"], rel=1e-4)  # the context is read
+
+
+def test_copy_probe_matches_hand_computation(setup):
+    docs = _docs(2)
+    cfg = {"sources": [{"documents": docs}], "passage_tokens": 40, "prefix_tokens": 8, "chunk_length": 16,
+           "passages_per_domain": 2, "shuffle": True}
+    rows = run_task("copy", setup, cfg)["rows"]
+    assert {(r["setting"]["order"], r["method"]) for r in rows} == {
+        (o, m) for o in ("natural", "shuffled") for m in ("cepe", "full", "truncated")
+    }
+    # the cepe row by hand: passage in the encoder, the passage in the decoder, score after the prefix
+    c = CopyConfig(**cfg)
+    tokens = [setup.encode(d["text"]) for d in docs]
+    model = setup.cepe_model
+    nll = 0.0
+    for p in passages(tokens, c, shuffled=False):
+        ids = torch.tensor([p])
+        chunks = torch.tensor([[p[i : i + 16] for i in range(0, 32, 16)]])
+        rest = torch.tensor([[p[32:] + [0] * 8]])
+        mask = torch.ones(1, 3, 16, dtype=torch.bool)
+        mask[0, 2, 8:] = False
+        with torch.no_grad():
+            logits = model(ids, encoder_input_ids=torch.cat([chunks, rest], 1), encoder_attention_mask=mask).logits
+        lp = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        nll -= float(lp[-32:].sum())
+    assert _by(rows, order="natural", domain="inline")["cepe"] == pytest.approx(math.exp(nll / 64), rel=1e-4)
+
+
+def test_configs_reject_bad_sizes():
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        CopyConfig(passage_tokens=16, prefix_tokens=16)
+    with pytest.raises(ValueError, match="eval_tokens"):
+        FixedConfig(decoder_window=8, eval_tokens=9)

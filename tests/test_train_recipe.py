@@ -1,0 +1,85 @@
+"""Training options of the copy-warmup recipe: the encoder built from the decoder, shuffled windows,
+decoder spans, a frozen encoder, and fingerprints that older runs keep."""
+
+from __future__ import annotations
+
+import torch
+import yaml
+
+from cepe.training.config import load_config
+from cepe.training.data import build_example, window_source
+from cepe.training.models import build_model, trainable_parameters
+from cepe.training.trainer import read_log, train
+
+TINY = yaml.safe_load(open("configs/train/tiny/warmup.yaml"))
+
+
+def _cfg(tmp_path, **over):
+    d = {k: v for k, v in TINY.items() if k != "init_encoder"}
+    d.update(output_dir=str(tmp_path / "run"), steps=4, progress=False, bf16=False, encoder={})
+    d.update(over)
+    return load_config(d)
+
+
+def test_decoder_built_encoder_trains_and_shares_embeddings(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1, "causal": True},
+        cepe={"init_mode": "zero", "mirror_self_attention": True, "cross_attention_layers": [1]},
+    )
+    model = build_model(cfg)
+    assert model.cepe_config.share_embeddings and model.cepe_config.encoder.causal
+    dec_layer = model.decoder.model.layers[0]
+    torch.testing.assert_close(model.encoder.layers[0].mlp.up_proj.weight, dec_layer.mlp.up_proj.weight)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(
+        n.startswith("encoder.layers") or n.startswith("encoder.norm") or ".cross_attn." in n for n in names
+    )
+    out = train(cfg)
+    losses = [r["loss"] for r in read_log(out)]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_frozen_encoder_trains_only_cross_attention(tmp_path):
+    cfg = _cfg(tmp_path, encoder_init="decoder", encoder={"num_hidden_layers": 1}, freeze_encoder=True)
+    params = trainable_parameters(build_model(cfg))
+    model = build_model(cfg)
+    assert all(not p.requires_grad for p in model.encoder.parameters())
+    assert len(params) == sum(1 for _ in model.cross_attention_modules()) * 5
+
+
+def test_shuffle_and_span_layout(tmp_path):
+    plain = _cfg(tmp_path)
+    shuffled = _cfg(tmp_path, data={**TINY["data"], "shuffle": 1.0})
+    span = _cfg(tmp_path, warmup_decoder_tokens=8)
+    src = window_source(plain, 128)
+    for i in range(3):
+        a, b, c = (build_example(x, src[i], i, None) for x in (plain, shuffled, span))
+        assert sorted(a["input_ids"].tolist()) == sorted(b["input_ids"].tolist())  # same tokens ...
+        assert not torch.equal(a["input_ids"], b["input_ids"])  # ... in another order
+        assert torch.equal(b["encoder_input_ids"].flatten(), b["input_ids"])  # both sides see the same
+        flat = c["encoder_input_ids"].flatten().tolist()
+        dec = c["input_ids"].tolist()
+        assert len(dec) == 8 and any(flat[s : s + 8] == dec for s in range(len(flat) - 7))
+    half = _cfg(tmp_path, data={**TINY["data"], "shuffle": 0.5})
+    moved = sum(
+        not torch.equal(build_example(half, src[i], i, None)["input_ids"], src[i][:32]) for i in range(200)
+    )
+    assert 60 < moved < 140
+
+
+def test_fingerprint_unchanged_by_new_defaults(tmp_path):
+    """Runs written before the new fields keep their fingerprint (so they still resume)."""
+    cfg = _cfg(tmp_path)
+    d = cfg.to_dict()
+    for key in ("encoder_init", "warmup_decoder_tokens", "freeze_encoder"):
+        d.pop(key)
+    d["data"].pop("shuffle")
+    import hashlib
+    import json
+
+    for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
+        d.pop(key, None)
+    assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
