@@ -191,6 +191,7 @@ class StageModule(nn.Module):
             idx.reshape(-1, idx.shape[-1]),
             self.kl_form,
             self.kl_smoothing,
+            mask=batch["labels"][:, 1:].reshape(-1) != -100,
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}
