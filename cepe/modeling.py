@@ -279,6 +279,20 @@ class CepeForCausalLM(nn.Module):
         elif encoder_input_ids is not None or encoder_hidden_states is not None:
             raise ValueError("give cross_context or encoder inputs, not both")
         self._check_context_batch(input_ids, ctx)
+        recompute = ctx is not None and self._recomputes_in_backward()
+        if recompute == "reentrant":
+            raise ValueError(
+                "reentrant gradient checkpointing cannot pass gradients to the context (cross-attention reads "
+                "it from outside the checkpointed layer); enable it with use_reentrant=False, e.g. "
+                "model.decoder.activation_checkpointing_enable({'use_reentrant': False})"
+            )
+        if recompute and self._slot.ctx is not ctx:
+            raise ValueError(
+                "gradient checkpointing recomputes the decoder layers during backward, after forward has "
+                "returned, so the context must stay installed until then: ctx = model.prepare_context(...); "
+                "with model.use_context(ctx): loss = model(input_ids, cross_context=ctx, labels=...).loss; "
+                "loss.backward()"
+            )
         with self.use_context(ctx):
             if labels is None:
                 return self.decoder(
@@ -293,7 +307,9 @@ class CepeForCausalLM(nn.Module):
         shift_labels = labels[:, 1:]
         sel = shift_labels != -100
         logits_sel = self.lm_logits(hidden[:, :-1][sel])  # (N, V): only supervised positions
-        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel], reduction="sum") / sel.sum().clamp_min(1)
+        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel], reduction="sum") / sel.sum().clamp_min(
+            1
+        )
         logits = None
         if return_logits is None or return_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -333,7 +349,9 @@ class CepeForCausalLM(nn.Module):
         self._check_context_batch(input_ids, ctx)
         gen = generate_kwargs.get("generation_config") or self.decoder.generation_config
         beams = int(generate_kwargs.get("num_beams") or getattr(gen, "num_beams", 1) or 1)
-        samples = int(generate_kwargs.get("num_return_sequences") or getattr(gen, "num_return_sequences", 1) or 1)
+        samples = int(
+            generate_kwargs.get("num_return_sequences") or getattr(gen, "num_return_sequences", 1) or 1
+        )
         repeats = tuple(sorted({1, beams, samples, beams * samples}))
         with self.use_context(ctx, repeats):
             return self.decoder.generate(
@@ -354,6 +372,17 @@ class CepeForCausalLM(nn.Module):
             )
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+
+    def _recomputes_in_backward(self) -> bool | str:
+        """Whether a forward now would be recomputed in backward (HF gradient checkpointing with autograd
+        on): False, True, or ``"reentrant"`` for reentrant checkpointing."""
+        if not torch.is_grad_enabled():
+            return False
+        for layer in decoder_layers(self.decoder):
+            if getattr(layer, "gradient_checkpointing", False) and layer.training:
+                fn = getattr(layer, "_gradient_checkpointing_func", None)
+                return "reentrant" if getattr(fn, "keywords", {}).get("use_reentrant") else True
+        return False
 
     @staticmethod
     def _check_context_batch(input_ids: torch.Tensor | None, ctx: CrossContext | None) -> None:
