@@ -59,9 +59,8 @@ def test_warmup_and_cepe_write_loadable_adapters(stages):
     for name in ("warmup", "cepe"):
         assert _falls(_losses(stages[name])), name
     cfg = _cfg("cepe", stages["root"] / "x")
-    from cepe.training.models import build_decoder
-
     from cepe.training.data import build_example, collate, window_source
+    from cepe.training.models import build_decoder
 
     # The saved adapter is the trained one: on the stage's own training examples it beats the adapter
     # the stage started from (the warmup's), loaded the same way.
