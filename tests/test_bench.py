@@ -143,6 +143,7 @@ def test_end_to_end_in_process(tmp_path):
     assert "decode" in names
 
 
+@pytest.mark.multiproc
 def test_worker_subprocess_runs_one_setting(tmp_path):
     from cepe.bench import _run_worker
 

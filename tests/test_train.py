@@ -139,6 +139,7 @@ def test_resume_reproduces_losses_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_copy_warmup_learns_to_copy(tmp_path):
     """configs/train/tiny/copy.yaml from scratch: the copy loss falls from uniform (ln V = 4.16) to under a
     tenth of it within the config's 3000 steps (about 0.21 here, against a floor of about 0.13: the first
