@@ -80,19 +80,21 @@ class CepeForCausalLM(nn.Module):
         module included; without, the decoder keeps its dtype (fp32 when loaded by name) and the encoder
         is fp32. ``cepe_config`` is copied, never changed.
         """
-        from .assets import decoder_source, load_decoder_model
-
         name = None
         if not isinstance(decoder, nn.Module):
+            from .assets import load_decoder_model
+
             name = str(decoder)
             decoder = load_decoder_model(name, dtype=dtype)
         if cepe_config is None:
             cepe_config = CepeConfig(encoder=default_encoder_config(decoder.config))
         cepe_config = copy.deepcopy(cepe_config)
         if cepe_config.decoder_name_or_path is None:
+            from .assets import decoder_source  # a GGUF-loaded decoder records its file
+
             cepe_config.decoder_name_or_path = name or decoder_source(decoder)
         model = cls(decoder, cepe_config)
-        model.init_cross_attention(model.cepe_config.init_mode)
+        model.init_cross_attention(cepe_config.init_mode)
         if dtype is not None:
             model.to(dtype)
         return model
@@ -279,20 +281,7 @@ class CepeForCausalLM(nn.Module):
         elif encoder_input_ids is not None or encoder_hidden_states is not None:
             raise ValueError("give cross_context or encoder inputs, not both")
         self._check_context_batch(input_ids, ctx)
-        recompute = ctx is not None and self._recomputes_in_backward()
-        if recompute == "reentrant":
-            raise ValueError(
-                "reentrant gradient checkpointing cannot pass gradients to the context (cross-attention reads "
-                "it from outside the checkpointed layer); enable it with use_reentrant=False, e.g. "
-                "model.decoder.activation_checkpointing_enable({'use_reentrant': False})"
-            )
-        if recompute and self._slot.ctx is not ctx:
-            raise ValueError(
-                "gradient checkpointing recomputes the decoder layers during backward, after forward has "
-                "returned, so the context must stay installed until then: ctx = model.prepare_context(...); "
-                "with model.use_context(ctx): loss = model(input_ids, cross_context=ctx, labels=...).loss; "
-                "loss.backward()"
-            )
+        self._check_recomputation(ctx)
         with self.use_context(ctx):
             if labels is None:
                 return self.decoder(
@@ -307,9 +296,8 @@ class CepeForCausalLM(nn.Module):
         shift_labels = labels[:, 1:]
         sel = shift_labels != -100
         logits_sel = self.lm_logits(hidden[:, :-1][sel])  # (N, V): only supervised positions
-        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel], reduction="sum") / sel.sum().clamp_min(
-            1
-        )
+        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel], reduction="sum")
+        loss = loss / sel.sum().clamp_min(1)  # a mean; 0 (not NaN) when nothing is supervised
         logits = None
         if return_logits is None or return_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -373,16 +361,28 @@ class CepeForCausalLM(nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
 
-    def _recomputes_in_backward(self) -> bool | str:
-        """Whether a forward now would be recomputed in backward (HF gradient checkpointing with autograd
-        on): False, True, or ``"reentrant"`` for reentrant checkpointing."""
-        if not torch.is_grad_enabled():
-            return False
+    def _check_recomputation(self, ctx: CrossContext | None) -> None:
+        """Under HF gradient checkpointing (autograd on), decoder layers run again in backward, after
+        ``forward`` returned: the context must still be installed then, and reentrant checkpointing
+        cannot carry gradients to it (cross-attention reads it from outside the checkpointed layer)."""
+        if ctx is None or not torch.is_grad_enabled():
+            return
         for layer in decoder_layers(self.decoder):
             if getattr(layer, "gradient_checkpointing", False) and layer.training:
                 fn = getattr(layer, "_gradient_checkpointing_func", None)
-                return "reentrant" if getattr(fn, "keywords", {}).get("use_reentrant") else True
-        return False
+                if getattr(fn, "keywords", {}).get("use_reentrant"):
+                    raise ValueError(
+                        "reentrant gradient checkpointing cannot pass gradients to the CEPE context; enable "
+                        "it with model.decoder.activation_checkpointing_enable({'use_reentrant': False})"
+                    )
+                if self._slot.ctx is not ctx:
+                    raise ValueError(
+                        "gradient checkpointing recomputes the decoder layers during backward, after forward "
+                        "has returned, so the context must stay installed until then: ctx = "
+                        "model.prepare_context(...); with model.use_context(ctx): loss = model(input_ids, "
+                        "cross_context=ctx, labels=...).loss; loss.backward()"
+                    )
+                return
 
     @staticmethod
     def _check_context_batch(input_ids: torch.Tensor | None, ctx: CrossContext | None) -> None:
