@@ -93,20 +93,52 @@ def resolve_decoder(name_or_path: str | os.PathLike[str]) -> str:
     return name
 
 
+def _gguf_parts(name: str) -> tuple[str, dict[str, str]]:
+    """``(directory, {"gguf_file": file})`` for a path to a ``.gguf`` file, else ``(name, {})``."""
+    if name.endswith(".gguf") and Path(name).is_file():
+        return str(Path(name).parent), {"gguf_file": Path(name).name}
+    return name, {}
+
+
 def load_decoder_model(name_or_path: str | os.PathLike[str] = "default", dtype=None):
-    """Load a decoder (no tokenizer) by name (see :func:`resolve_decoder`), in eval mode."""
+    """Load a decoder (no tokenizer) by name (see :func:`resolve_decoder`), in eval mode. A path to a
+    ``.gguf`` file loads that file (dequantised)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_decoder(name_or_path), dtype=dtype or torch.float32)
+    where, extra = _gguf_parts(resolve_decoder(name_or_path))
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype or torch.float32, **extra)
     return model.eval()
 
 
+def decoder_source(decoder) -> str | None:
+    """What reloads ``decoder`` with :func:`load_decoder_model`: its ``name_or_path``, or for a model loaded
+    from a GGUF file (which records only the file's directory) the path of that file.
+
+    Raises:
+        ValueError: a GGUF-loaded decoder whose directory does not hold exactly one ``.gguf`` file (the
+            file cannot be told); set ``CepeConfig.decoder_name_or_path`` to the file instead.
+    """
+    name = getattr(decoder.config, "_name_or_path", None) or None
+    quant = getattr(decoder.config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if name is None or str(getattr(method, "value", method)) != "gguf" or name.endswith(".gguf"):
+        return name
+    files = sorted(Path(name).glob("*.gguf")) if Path(name).is_dir() else []
+    if len(files) != 1:
+        raise ValueError(
+            f"the decoder was loaded from a GGUF file in {name}, which holds {len(files)} .gguf files, so the "
+            "file cannot be recorded for reloading; set CepeConfig(decoder_name_or_path='<dir>/<file>.gguf')"
+        )
+    return str(files[0])
+
+
 def load_tokenizer(name_or_path: str | os.PathLike[str] = "default"):
-    """The tokenizer of a decoder given by name (see :func:`resolve_decoder`)."""
+    """The tokenizer of a decoder given by name (see :func:`resolve_decoder`; a ``.gguf`` file path too)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_decoder(name_or_path))
+    where, extra = _gguf_parts(resolve_decoder(name_or_path))
+    return AutoTokenizer.from_pretrained(where, **extra)
 
 
 def load_decoder(name_or_path: str | os.PathLike[str] = "default", dtype=None):

@@ -5,7 +5,8 @@ Computation (matching the released checkpoints): ``q = q_proj(RMSNorm(h))``, ``k
 encoder positions are masked as keys; an example with no context gets exactly zero.
 
 Cache modes for generation:
-- ``"kv"``: K/V projected once per prompt, cached per layer (fastest decode, most memory).
+- ``"kv"``: K/V projected once per prompt, cached per layer (fastest decode, most memory); with autograd
+  on (training, gradient checkpointing) nothing is cached and it computes what ``"states"`` does.
 - ``"states"``: only Φ is kept; K/V are re-projected at every step (the reference code's behaviour).
 - ``"absorbed"``: only Φ is kept; ``k_proj`` is folded into the query and ``v_proj`` applied after
   the attention-weighted sum of Φ, so no per-layer K/V is ever materialised.
@@ -122,14 +123,16 @@ class CrossAttention(nn.Module):
         if ctx.mode == "absorbed":
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:
-            if ctx.mode == "kv":
+            if ctx.mode == "kv" and not torch.is_grad_enabled():
+                # Cached only without autograd: with it, every pass (gradient checkpointing recomputes
+                # layers in backward) must project K/V itself so that gradients reach k/v_proj and Φ.
                 if self.layer_idx not in ctx.kv:
                     # Stored contiguous in (B, KV, S, hd): the projection's (B, S, KV, hd) layout, read
                     # through a transpose, makes every later decode step's attention ~1.7x slower on CPU.
                     k, v = self.project_kv(ctx.states.to(q.dtype))
                     ctx.kv[self.layer_idx] = (k.contiguous(), v.contiguous())
                 k, v = ctx.kv[self.layer_idx]
-            else:  # "states": re-project at every call
+            else:  # "states" (or "kv" under autograd): re-project at every call
                 k, v = self.project_kv(ctx.states.to(q.dtype))
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -7,6 +7,7 @@ D_enc encoder width.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ class CepeForCausalLM(nn.Module):
 
     def __init__(self, decoder: nn.Module, cepe_config: CepeConfig) -> None:
         super().__init__()
+        cepe_config = copy.deepcopy(cepe_config)  # the caller's config is never changed
         cepe_config.decoder_vocab_size = int(decoder.config.vocab_size)
         cepe_config.validate()
         self.cepe_config = cepe_config
@@ -89,6 +91,10 @@ class CepeForCausalLM(nn.Module):
         With no ``cepe_config``, the encoder is sized from the decoder (about a quarter of its width,
         see :func:`cepe.config.default_encoder_config`). Cross-attention q/k/v are copied from each
         layer's self-attention and o_proj is zero (``init_mode="zero"``) or copied (``"copy"``).
+
+        ``dtype``: with a dtype, every part (decoder, encoder, cross-attention) is in it, a given decoder
+        module included; without, the decoder keeps its dtype (fp32 when loaded by name) and the encoder
+        is fp32. ``cepe_config`` is copied, never changed.
         """
         name = None
         if not isinstance(decoder, nn.Module):
@@ -98,10 +104,15 @@ class CepeForCausalLM(nn.Module):
             decoder = load_decoder_model(name, dtype=dtype)
         if cepe_config is None:
             cepe_config = CepeConfig(encoder=default_encoder_config(decoder.config))
+        cepe_config = copy.deepcopy(cepe_config)
         if cepe_config.decoder_name_or_path is None:
-            cepe_config.decoder_name_or_path = name or getattr(decoder.config, "_name_or_path", None) or None
+            from .assets import decoder_source  # a GGUF-loaded decoder records its file
+
+            cepe_config.decoder_name_or_path = name or decoder_source(decoder)
         model = cls(decoder, cepe_config)
         model.init_cross_attention(cepe_config.init_mode)
+        if dtype is not None:
+            model.to(dtype)
         return model
 
     @torch.no_grad()
@@ -260,14 +271,18 @@ class CepeForCausalLM(nn.Module):
         )
 
     @contextlib.contextmanager
-    def use_context(self, ctx: CrossContext | None) -> Iterator[None]:
-        """Run decoder calls inside this block with cross-attention reading ``ctx``."""
-        prev = self._slot.ctx
-        self._slot.set(ctx)
+    def use_context(self, ctx: CrossContext | None, repeats: tuple[int, ...] = (1,)) -> Iterator[None]:
+        """Run decoder calls inside this block with cross-attention reading ``ctx``.
+
+        ``repeats``: decoder batches of ``ctx.batch_size × r`` rows for these ``r`` get the context repeated
+        (``repeat_interleave``, as HF expands beams and samples); any other batch raises ``ValueError``.
+        """
+        prev = (self._slot.ctx, self._slot.repeats)
+        self._slot.set(ctx, repeats)
         try:
             yield
         finally:
-            self._slot.set(prev)
+            self._slot.set(*prev)
 
     # ------------------------------------------------------------------ forward / generate
     def forward(
@@ -293,10 +308,14 @@ class CepeForCausalLM(nn.Module):
             encoder_attention_mask: ``(B, K, L)``, True on real context tokens.
             encoder_hidden_states: precomputed Φ ``(B, S, D_enc)`` instead of ``encoder_input_ids``.
             labels: ``(B, T)``; position t is predicted from positions < t (HF shift), -100 ignored. The
-                loss is a mean fp32 cross-entropy computed from the logits of supervised positions only.
-            cross_context: a context from :meth:`prepare_context` (reused across incremental calls).
-            logits_to_keep: as in HF: keep only the last N positions' logits (0 = all).
-            return_logits: with labels, also return full ``(B, T, V)`` logits (default False).
+                loss is a mean fp32 cross-entropy computed from the logits of supervised positions only
+                (0, not NaN, when no position is supervised).
+            cross_context: a context from :meth:`prepare_context` (reused across incremental calls); its
+                batch must be the decoder's.
+            logits_to_keep: as in HF: keep only the last N positions' logits (0 = all), with or without
+                labels (the loss always covers every supervised position).
+            return_logits: with labels, ``False`` skips the logits (saves a ``(B, T, V)`` tensor in
+                training); default True, as without labels.
             **kwargs: passed to the decoder (``past_key_values``, ``use_cache``, ``position_ids``...).
 
         Returns:
@@ -308,6 +327,8 @@ class CepeForCausalLM(nn.Module):
             ctx = self.prepare_context(encoder_input_ids, encoder_attention_mask, encoder_hidden_states)
         elif encoder_input_ids is not None or encoder_hidden_states is not None:
             raise ValueError("give cross_context or encoder inputs, not both")
+        self._check_context_batch(input_ids, ctx)
+        self._check_recomputation(ctx)
         with self.use_context(ctx):
             if labels is None:
                 return self.decoder(
@@ -322,18 +343,18 @@ class CepeForCausalLM(nn.Module):
         shift_labels = labels[:, 1:]
         sel = shift_labels != -100
         logits_sel = self.lm_logits(hidden[:, :-1][sel])  # (N, V): only supervised positions
-        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel])
-        logits = self.lm_logits(hidden) if return_logits else None
+        loss = F.cross_entropy(logits_sel.float(), shift_labels[sel], reduction="sum")
+        loss = loss / sel.sum().clamp_min(1)  # a mean; 0 (not NaN) when nothing is supervised
+        logits = None
+        if return_logits is None or return_logits:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_logits(hidden[:, keep])
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The decoder's output head on hidden states ``(..., D_dec)`` -> ``(..., V)`` (with soft-capping
-        for families that use it)."""
-        logits = self.decoder.get_output_embeddings()(hidden)
-        cap = getattr(self.decoder.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        for families that use it); see :func:`decoder_logits`."""
+        return decoder_logits(self.decoder, hidden)
 
     @torch.no_grad()
     def generate(
@@ -350,7 +371,8 @@ class CepeForCausalLM(nn.Module):
 
         ``cross_attention_cache`` picks ``"kv"`` (K/V projected once and cached per layer), ``"states"``
         (Φ only, re-projected every step) or ``"absorbed"`` (Φ only, projections folded); all give the
-        same tokens up to floating-point rounding.
+        same tokens up to floating-point rounding. The context batch must be the prompt batch; it is
+        repeated only for ``num_beams`` / ``num_return_sequences``.
 
         Returns:
             ``(B, T + new)`` token ids (as the decoder's ``generate``).
@@ -359,7 +381,14 @@ class CepeForCausalLM(nn.Module):
         ctx = self.prepare_context(
             encoder_input_ids, encoder_attention_mask, encoder_hidden_states, cross_attention_cache
         )
-        with self.use_context(ctx):
+        self._check_context_batch(input_ids, ctx)
+        gen = generate_kwargs.get("generation_config") or self.decoder.generation_config
+        beams = int(generate_kwargs.get("num_beams") or getattr(gen, "num_beams", 1) or 1)
+        samples = int(
+            generate_kwargs.get("num_return_sequences") or getattr(gen, "num_return_sequences", 1) or 1
+        )
+        repeats = tuple(sorted({1, beams, samples, beams * samples}))
+        with self.use_context(ctx, repeats):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs
             )
@@ -378,6 +407,38 @@ class CepeForCausalLM(nn.Module):
             )
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+
+    def _check_recomputation(self, ctx: CrossContext | None) -> None:
+        """Under HF gradient checkpointing (autograd on), decoder layers run again in backward, after
+        ``forward`` returned: the context must still be installed then, and reentrant checkpointing
+        cannot carry gradients to it (cross-attention reads it from outside the checkpointed layer)."""
+        if ctx is None or not torch.is_grad_enabled():
+            return
+        for layer in decoder_layers(self.decoder):
+            if getattr(layer, "gradient_checkpointing", False) and layer.training:
+                fn = getattr(layer, "_gradient_checkpointing_func", None)
+                if getattr(fn, "keywords", {}).get("use_reentrant"):
+                    raise ValueError(
+                        "reentrant gradient checkpointing cannot pass gradients to the CEPE context; enable "
+                        "it with model.decoder.activation_checkpointing_enable({'use_reentrant': False})"
+                    )
+                if self._slot.ctx is not ctx:
+                    raise ValueError(
+                        "gradient checkpointing recomputes the decoder layers during backward, after forward "
+                        "has returned, so the context must stay installed until then: ctx = "
+                        "model.prepare_context(...); with model.use_context(ctx): loss = model(input_ids, "
+                        "cross_context=ctx, labels=...).loss; loss.backward()"
+                    )
+                return
+
+    @staticmethod
+    def _check_context_batch(input_ids: torch.Tensor | None, ctx: CrossContext | None) -> None:
+        if ctx is not None and input_ids is not None and input_ids.shape[0] != ctx.batch_size:
+            raise ValueError(
+                f"the decoder batch has {input_ids.shape[0]} rows but the context {ctx.batch_size}: give "
+                "one context per example (encoder inputs (B, K, L) with the decoder's B; an example without "
+                "context gets an all-padding mask)"
+            )
 
     def _check_encoder_inputs(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         if ids.dim() != 3:
@@ -467,7 +528,9 @@ class CepeForCausalLM(nn.Module):
         Args:
             path: the directory.
             decoder: the base decoder (model, hub id or dir); default: the one named in the config.
-            dtype: dtype to load the decoder in (default fp32).
+            dtype: dtype of the whole model, decoder, encoder and cross-attention alike (a given decoder
+                module is cast too); default: the decoder as given (fp32 when loaded by name), the
+                encoder in fp32. The released layout follows the same rule.
         """
         path = Path(path)
         if (path / ADAPTER_CONFIG).exists():
@@ -491,6 +554,17 @@ class CepeForCausalLM(nn.Module):
             f"{path} holds neither a cepe adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) nor a released "
             "CEPE checkpoint (config.json with encoder_config)"
         )
+
+
+def decoder_logits(decoder: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``decoder``'s output head on hidden states ``(..., D_dec)`` -> ``(..., V)``, with final logit
+    soft-capping for families that use it (Gemma 2/3): what the decoder's own forward computes. The
+    student (:meth:`CepeForCausalLM.lm_logits`) and the CEPED teacher pass both use it."""
+    logits = decoder.get_output_embeddings()(hidden)
+    cap = getattr(decoder.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def load_adapter_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -109,7 +109,8 @@ def load_official(
     Args:
         path: directory with ``config.json`` and the weights.
         decoder: use this decoder instead of the one stored in the checkpoint.
-        dtype: dtype of the model (default fp32).
+        dtype: dtype of every part of the model (decoder, encoder, cross-attention); default: the given
+            decoder's dtype (fp32 for one built from the checkpoint or loaded by name), the encoder fp32.
 
     Raises:
         ValueError: naming missing, unexpected or mis-shaped keys.
@@ -142,6 +143,7 @@ def load_official(
         cfg.decoder_name_or_path = str(decoder)
         decoder = load_decoder_model(decoder, dtype=dtype)
     model = CepeForCausalLM(decoder, cfg)
-    model.to(dtype or torch.float32)
+    if dtype is not None:  # one rule with CepeForCausalLM.from_pretrained: every part in dtype
+        model.to(dtype)
     model.load_adapter_state_dict(adapter)
     return model.eval()

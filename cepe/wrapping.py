@@ -10,6 +10,10 @@ Two hooks give exactly that while leaving the layer's code and weight names unto
 
 The cross-attention module is registered as ``layers.{i}.cross_attn``, the name the released
 checkpoints use. A new decoder family costs one :class:`DecoderFamily` entry.
+
+The hooks are small objects holding their cross-attention module and the model's :class:`ContextSlot`
+as attributes (not closures), so ``copy.deepcopy`` of a model gives hooks that read the copy's modules
+and slot.
 """
 
 from __future__ import annotations
@@ -91,20 +95,36 @@ def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
 
 
 class ContextSlot:
-    """Holds the :class:`CrossContext` of the running call; shared by all cross-attention layers."""
+    """Holds the :class:`CrossContext` of the running call; shared by all cross-attention layers.
+
+    ``repeats``: the factors ``r`` for which a decoder batch of ``ctx.batch_size × r`` rows gets the
+    context repeated (generation with beams or several samples); any other batch size is an error.
+    """
 
     def __init__(self) -> None:
         self.ctx: CrossContext | None = None
+        self.repeats: tuple[int, ...] = (1,)
         self._expanded: dict[int, CrossContext] = {}
 
-    def set(self, ctx: CrossContext | None) -> None:
+    def set(self, ctx: CrossContext | None, repeats: tuple[int, ...] = (1,)) -> None:
         self.ctx = ctx
+        self.repeats = tuple(int(r) for r in repeats)
         self._expanded = {}
 
     def get(self, batch: int) -> CrossContext | None:
-        """The context for a decoder batch of ``batch`` rows (repeated once for beams/samples)."""
+        """The context for a decoder batch of ``batch`` rows (repeated once for beams/samples).
+
+        Raises:
+            ValueError: ``batch`` is not the context batch times one of ``repeats``.
+        """
         if self.ctx is None or batch == self.ctx.batch_size:
             return self.ctx
+        b = self.ctx.batch_size
+        if batch % b or batch // b not in self.repeats:
+            raise ValueError(
+                f"the decoder batch has {batch} rows but the context {b}: give one context per example; a "
+                f"context is repeated only for generate's num_beams / num_return_sequences (here x{self.repeats})"
+            )
         if batch not in self._expanded:
             self._expanded[batch] = self.ctx.expand(batch)
         return self._expanded[batch]
@@ -136,25 +156,35 @@ def attach_cross_attention(
         p = next(decoder.parameters())
         cross.to(device=p.device, dtype=p.dtype)
         layer.cross_attn = cross
-        _get(layer, family.residual_tap).register_forward_pre_hook(_make_tap(cross), with_kwargs=True)
-        _get(layer, family.branch).register_forward_hook(_make_add(cross, slot), with_kwargs=True)
+        _get(layer, family.residual_tap).register_forward_pre_hook(ResidualTap(cross), with_kwargs=True)
+        _get(layer, family.branch).register_forward_hook(CrossAdd(cross, slot), with_kwargs=True)
         added.append(cross)
     return added
 
 
-def _make_tap(cross: CrossAttention):
-    def tap(module, args, kwargs):
-        cross._residual = args[0] if args else kwargs["hidden_states"]
+class ResidualTap:
+    """Forward pre-hook on the layer's first norm: records the residual stream ``h`` on ``cross``."""
 
-    return tap
+    def __init__(self, cross: CrossAttention) -> None:
+        self.cross = cross
+
+    def __call__(self, module, args, kwargs):
+        self.cross._residual = args[0] if args else kwargs["hidden_states"]
 
 
-def _make_add(cross: CrossAttention, slot: ContextSlot):
-    def add(module, args, kwargs, output):
+class CrossAdd:
+    """Forward hook on the self-attention branch: returns ``branch + cross(h + branch)`` when ``slot``
+    holds a context (else leaves the output untouched)."""
+
+    def __init__(self, cross: CrossAttention, slot: ContextSlot) -> None:
+        self.cross, self.slot = cross, slot
+
+    def __call__(self, module, args, kwargs, output):
+        cross = self.cross
         residual = cross.__dict__.pop("_residual", None)
         is_tuple = isinstance(output, tuple)
         branch = output[0] if is_tuple else output
-        ctx = slot.get(branch.shape[0])
+        ctx = self.slot.get(branch.shape[0])
         if ctx is None:
             return None  # no context: the layer is exactly the decoder's
         if residual is None:
@@ -162,5 +192,3 @@ def _make_add(cross: CrossAttention, slot: ContextSlot):
         update = cross(residual + branch, ctx)
         branch = branch + update
         return (branch, *output[1:]) if is_tuple else branch
-
-    return add

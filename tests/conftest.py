@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -9,6 +13,33 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
 
 VOCAB = 97
+
+
+@pytest.fixture(autouse=True)
+def _markers_say_what_a_test_does(request, monkeypatch):
+    """``slow`` and ``multiproc`` are enforced, so ``-m "not slow and not multiproc"`` (the quick tier of
+    ``scripts/test.sh``) really leaves out every test that loads the real default decoder or starts other
+    Python processes: an unmarked test that does either fails and says which marker it needs."""
+    if request.node.get_closest_marker("slow") is None:
+        import cepe.assets
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("this test loads the real default decoder: mark it @pytest.mark.slow")
+
+        monkeypatch.setattr(cepe.assets, "default_decoder_dir", refuse)
+        monkeypatch.setattr(cepe.assets, "default_decoder_gguf", refuse)
+    if request.node.get_closest_marker("multiproc") is None:
+        monkeypatch.setattr(subprocess, "Popen", _NoPythonPopen)
+
+
+class _NoPythonPopen(subprocess.Popen):
+    """``subprocess.Popen`` that refuses to start the Python interpreter (other programs run)."""
+
+    def __init__(self, args, *rest, **kwargs):
+        program = args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]
+        if os.path.realpath(str(program)) == os.path.realpath(sys.executable):
+            raise RuntimeError("this test starts Python processes: mark it @pytest.mark.multiproc")
+        super().__init__(args, *rest, **kwargs)
 
 
 def tiny_decoder(family: str = "llama", seed: int = 0, **overrides):

@@ -83,11 +83,20 @@ def test_tensor_bytes_counts_shared_storage_once():
 
 
 def test_peak_rss_region():
+    mib = 2**20
     with PeakRSS() as mem:
-        x = torch.ones(2**22)  # 16 MiB
+        x = torch.ones(2**22)  # 16 MiB, touched, kept past the region
         x += 1
-    assert mem.peak >= mem.baseline > 0
     assert mem.method.startswith("VmHWM")
+    assert mem.baseline > 0 and mem.peak_delta >= 15 * mib and mem.kept_delta >= 15 * mib
+    with PeakRSS() as temp:
+        y = torch.ones(2**23)  # 32 MiB, touched, freed inside the region
+        y += 1
+        del y
+    if temp.method == "VmHWM reset per region":  # the peak of this region alone, not of the process
+        assert temp.peak_delta >= 30 * mib
+    assert temp.kept_delta < 8 * mib  # what the region freed is not counted as kept
+    del x
 
 
 def test_kept_bytes_match_the_cost_model():
@@ -134,13 +143,16 @@ def test_end_to_end_in_process(tmp_path):
     assert "decode" in names
 
 
+@pytest.mark.multiproc
 def test_worker_subprocess_runs_one_setting(tmp_path):
     from cepe.bench import _run_worker
 
     row = _run_worker(tiny_cfg(), {"kind": "prefill", "method": "cepe", "tokens": 96})
     assert "error" not in row, row.get("error")
-    assert row["peak_rss_bytes"] >= row["rss_baseline_bytes"] > 0
-    assert row["kept_tensor_bytes"] > 0
+    assert row["peak_delta_bytes"] == max(0, row["peak_rss_bytes"] - row["rss_baseline_bytes"])
+    cfg = tiny_cfg()
+    cm = cost_model(build_model(cfg), cfg)
+    assert row["kept_tensor_bytes"] == cm.cache_bytes("cepe", 96, bytes_per_elem=4)  # what it keeps
 
 
 def test_cli_config_parsing(tmp_path):

@@ -48,7 +48,12 @@ def test_streaming_evicts_and_generates(model):
     lp = s.score([Request(ids, num_targets=10)])[0]
     assert lp.shape == (10,) and torch.isfinite(lp).all()
     out = s.generate(Request(ids, max_new_tokens=5))
-    assert len(out) <= 5
+    assert len(out) == 5 and all(0 <= t < model.config.vocab_size for t in out)  # no stop token here
+    # with a window covering everything, generation is the full decoder's
+    wide = StreamingLLM(model, sink_tokens=4, recent_tokens=100, stride=5)
+    assert wide.generate(Request(ids, max_new_tokens=5)) == DecoderMethod(model).generate(
+        Request(ids, max_new_tokens=5)
+    )
 
 
 def test_replug_single_piece_equals_prepending(model):
@@ -71,8 +76,16 @@ def test_replug_mixture(model):
     w = torch.softmax(torch.tensor([0.5, 0.0]), 0)
     torch.testing.assert_close(rep, torch.log(w[0] * pa.exp() + w[1] * pb.exp()), atol=1e-5, rtol=1e-5)
     assert mixture_weights(4, None).exp().tolist() == pytest.approx([0.25] * 4)
-    # generation with two pieces of different lengths (left padding) runs
-    assert len(Replug(model).generate(Request(inp, context=[a, b], max_new_tokens=3))) <= 3
+    # generation with two pieces of different lengths (left padding) is the greedy mixture, step by step
+    got = Replug(model).generate(Request(inp, context=[a, b], max_new_tokens=3))
+    want: list[int] = []
+    for _ in range(3):
+        with torch.no_grad():
+            logps = [
+                torch.log_softmax(model(torch.tensor([p + inp + want])).logits[0, -1], -1) for p in (a, b)
+            ]
+        want.append(int(torch.logsumexp(torch.stack(logps) + torch.log(torch.tensor(0.5)), 0).argmax()))
+    assert got == want
 
 
 def test_decoder_batching_matches_single(model):

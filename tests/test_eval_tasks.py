@@ -31,7 +31,6 @@ def _docs(n, sentences=20, label=None):
 
 @pytest.fixture(scope="module")
 def setup():
-    pytest.importorskip("cepe.modeling")
     return load_setup("tiny", ALL, method_options=OPTS, progress=False)
 
 
@@ -44,7 +43,16 @@ def _check(result, tmp_path, metric):
             assert r["tokens_per_s"] > 0 and r["peak_memory_mb"] > 0
     paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
     assert json.loads(open(paths["json"]).read())["task"] == result["task"]
-    assert "| method |" in open(paths["markdown"]).read() or "method" in open(paths["markdown"]).read()
+    lines = open(paths["markdown"]).read().splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    assert head[-6:] == ["method", "metric", "value", "n", "tokens/s", "peak MB"]
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert len(body) == len(rows)  # one table line per result row, in order, with its value
+    for cells, r in zip(body, rows):
+        assert cells[head.index("method")] == r["method"] and cells[head.index("metric")] == r["metric"]
+        if isinstance(r["value"], float) and r["value"] == r["value"]:  # NaN is written "-"
+            assert float(cells[head.index("value")]) == pytest.approx(r["value"], rel=1e-2, abs=1e-2)
     return paths
 
 
@@ -149,7 +157,6 @@ def test_needle(setup, tmp_path):
 
 
 def test_cli_end_to_end(tmp_path, capsys):
-    pytest.importorskip("cepe.modeling")
     import yaml
 
     from cepe.cli import main

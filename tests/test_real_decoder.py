@@ -32,9 +32,12 @@ def test_real_zero_init_is_exactly_the_decoder(real):
     text = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
     ids = torch.tensor([tok(text)["input_ids"]])
     chunks, mask = chunk_ids(tok(text * 5)["input_ids"], 16)
+    from cepe.assets import load_decoder_model
+
+    plain_decoder = load_decoder_model("default")  # a separate, unhooked copy of the decoder
+    assert not any(".cross_attn." in n for n, _ in plain_decoder.named_parameters())
     with torch.no_grad():
-        ref = model(ids).logits
+        ref = plain_decoder(ids).logits
+        no_ctx = model(ids).logits
         out = model(ids, encoder_input_ids=chunks[None], encoder_attention_mask=mask[None]).logits
-        with model.use_context(None):
-            plain = model.decoder(ids).logits
-    assert torch.equal(out, ref) and torch.equal(ref, plain)
+    assert torch.equal(no_ctx, ref) and torch.equal(out, ref)

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from cepe import CepeForCausalLM
 from cepe.training.config import load_config
 from cepe.training.data import chunk_noise_mask
-from cepe.training.losses import topk_kl
 from cepe.training.teacher import TeacherStore, run_teacher
 from cepe.training.trainer import read_log, train
 
@@ -60,12 +59,20 @@ def test_warmup_and_cepe_write_loadable_adapters(stages):
     for name in ("warmup", "cepe"):
         assert _falls(_losses(stages[name])), name
     cfg = _cfg("cepe", stages["root"] / "x")
+    from cepe.training.data import build_example, collate, window_source
     from cepe.training.models import build_decoder
 
-    model = CepeForCausalLM.from_pretrained(stages["cepe"], decoder=build_decoder(cfg))
-    saved = load_file(stages["cepe"] / "adapter_model.safetensors")
-    for k, v in model.adapter_state_dict().items():
-        assert torch.equal(v, saved[k])
+    # The saved adapter is the trained one: on the stage's own training examples it beats the adapter
+    # the stage started from (the warmup's), loaded the same way.
+    source = window_source(cfg, int(cfg.tiny_decoder["vocab_size"]))
+    batch = collate([build_example(cfg, source[i], i, None) for i in range(16)])
+    batch.pop("index")
+    losses = {}
+    for name in ("warmup", "cepe"):
+        model = CepeForCausalLM.from_pretrained(stages[name], decoder=build_decoder(cfg)).eval()
+        with torch.no_grad():
+            losses[name] = model(**batch).loss.item()
+    assert losses["cepe"] < losses["warmup"] - 0.05, losses
     # warmup started from the MLM encoder
     enc = load_file(stages["mlm"] / "encoder_model.safetensors")
     assert enc["embed_tokens.weight"].shape[0] == 129
@@ -132,6 +139,7 @@ def test_resume_reproduces_losses_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_copy_warmup_learns_to_copy(tmp_path):
     """configs/train/tiny/copy.yaml from scratch: the copy loss falls from uniform (ln V = 4.16) to under a
     tenth of it within the config's 3000 steps (about 0.21 here, against a floor of about 0.13: the first
@@ -187,38 +195,6 @@ def test_ceped_needs_teacher(tmp_path):
 
 
 # ----------------------------------------------------------------------------- pure functions
-def test_kl_renorm_hand_computed():
-    logits = torch.tensor([[math.log(1.0), math.log(2.0), math.log(3.0), math.log(4.0)]])
-    probs = torch.tensor([[0.5, 0.25]])  # teacher top-2 over tokens 3 and 1
-    idx = torch.tensor([[3, 1]])
-    # teacher renormalised: (2/3, 1/3); student over {3, 1}: (4/6, 2/6) = (2/3, 1/3) -> KL 0
-    assert topk_kl(logits, probs, idx, "renorm").item() == pytest.approx(0.0, abs=1e-7)
-    probs = torch.tensor([[0.3, 0.3]])  # renormalised (1/2, 1/2)
-    want = 0.5 * math.log(0.5 / (2 / 3)) + 0.5 * math.log(0.5 / (1 / 3))
-    assert topk_kl(logits, probs, idx, "renorm").item() == pytest.approx(want, rel=1e-6)
-
-
-def test_kl_other_bucket_hand_computed():
-    logits = torch.tensor([[math.log(1.0), math.log(2.0), math.log(3.0), math.log(4.0)]])  # q = k/10
-    probs = torch.tensor([[0.5, 0.25]])
-    idx = torch.tensor([[3, 1]])
-    eps = 0.01
-    p = [(1 - eps) * x + eps / 3 for x in (0.5, 0.25, 0.25)]
-    q = [0.4, 0.2, 0.4]
-    want = sum(a * math.log(a / b) for a, b in zip(p, q))
-    got = topk_kl(logits, probs, idx, "other", smoothing=eps)
-    assert got.dtype == torch.float32
-    assert got.item() == pytest.approx(want, rel=1e-5)
-
-
-def test_kl_is_fp32_and_zero_for_identical():
-    torch.manual_seed(0)
-    logits = torch.randn(5, 30).to(torch.bfloat16)
-    p = torch.softmax(logits.float(), -1)
-    vals, idx = p.topk(30, -1)
-    assert topk_kl(logits, vals, idx).item() == pytest.approx(0.0, abs=1e-6)
-
-
 def test_synthetic_distinct_windows():
     from cepe.training.data import SyntheticWindows
 
@@ -244,9 +220,9 @@ def test_chunk_noise_statistics():
     frac = noised.float().mean().item()
     assert abs(frac - 0.3) < 0.01  # P(noised) = 0.3 (a suffix always removes at least one token)
     whole = (kept == 0).float().mean().item()
-    # whole-chunk removal: 0.3·0.1 plus the suffix case t = |C| (0.3·0.9/64)
-    assert abs(whole - (0.03 + 0.27 / length)) < 0.004
-    partial = length - kept[(kept > 0) & noised]  # suffix lengths t in 1..|C|-1, uniform
+    assert abs(whole - 0.03) < 0.003  # only whole-chunk removal empties a chunk: 0.3·0.1
+    partial = length - kept[(kept > 0) & noised]  # suffix lengths t in 1..|C|-1, uniform (as released)
+    assert int(partial.max()) <= length - 1
     counts = torch.bincount(partial, minlength=length)[1:length].float()
     assert counts.min() > 0 and (counts.max() - counts.min()) / counts.mean() < 0.6
     assert abs(partial.float().mean().item() - length / 2) < 1.5
@@ -266,8 +242,17 @@ def test_warmup_layout_and_noise_off_for_ceped(tmp_path):
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_configs_load(path):
     cfg = load_config(path)
-    assert cfg.stage in ("mlm", "warmup", "cepe", "ceped")
-    assert cfg.window_length > 0
+    assert cfg.stage == ("warmup" if path.stem == "copy" else path.stem)  # the file name says the stage
+    if path.parent.name == "tiny":
+        assert cfg.bf16 is False and cfg.tiny_decoder is not None  # fp32 whatever the CPU
+    if cfg.stage == "ceped":
+        assert (cfg.kl_form, cfg.kl_coef, cfg.ce_coef, cfg.chunk_noise) == ("drop", 2.0, 1.0, 0.0)
+    # each stage starts from the previous stage's output directory of the same tier
+    previous = {"warmup": "mlm", "cepe": "warmup", "ceped": "cepe"}.get(cfg.stage)
+    start = cfg.init_encoder if cfg.stage == "warmup" else cfg.init_adapter
+    if previous and path.stem != "copy":
+        prev = load_config(path.with_name(f"{previous}.yaml"))
+        assert start == prev.output_dir, (start, prev.output_dir)
 
 
 def test_bad_config_messages(tmp_path):

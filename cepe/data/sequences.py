@@ -307,7 +307,9 @@ def mask_encoder_chunks(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Encoder-input noise of Appendix A: each chunk is masked with probability ``p_mask``; a masked
-    chunk loses all its tokens with probability ``p_whole``, else a suffix of ``t ~ U(1, |C|)`` tokens.
+    chunk loses all its tokens with probability ``p_whole``, else a suffix of ``t ~ U(1, |C| - 1)`` tokens
+    (as the released code: a partly masked chunk keeps at least one token; a one-token chunk is left
+    whole).
 
     Args:
         mask: ``(K, L)`` or ``(B, K, L)`` bool, True on real tokens (right-padded chunks).
@@ -323,7 +325,8 @@ def mask_encoder_chunks(
     chosen = torch.rand(n, generator=generator) < p_mask
     whole = torch.rand(n, generator=generator) < p_whole
     u = torch.rand(n, generator=generator)
-    drop = torch.where(whole, lengths, (u * lengths).long() + 1).clamp(max=lengths)
+    partial = ((u * (lengths - 1)).long() + 1).clamp(max=(lengths - 1).clamp_min(0))  # 1..|C|-1
+    drop = torch.where(whole, lengths, partial)
     keep = torch.where(chosen, lengths - drop, lengths)
     positions = torch.arange(m.shape[-1]).expand_as(flat)
     flat &= positions < keep[:, None]

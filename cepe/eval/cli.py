@@ -68,9 +68,7 @@ def load_setup(
         if "cepe" in methods:
             cepe_model = tiny_cepe(decoder)
     elif path.is_dir() and _is_cepe_dir(path):
-        from transformers import AutoTokenizer
-
-        from cepe.assets import resolve_decoder
+        from cepe.assets import load_tokenizer
         from cepe.modeling import CepeForCausalLM
 
         cepe_model = CepeForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
@@ -78,7 +76,7 @@ def load_setup(
         name = tokenizer or cepe_model.cepe_config.decoder_name_or_path
         if not name:
             raise ValueError(f"{path} names no decoder; pass --tokenizer <decoder dir or hub id>")
-        tok = AutoTokenizer.from_pretrained(resolve_decoder(name))
+        tok = load_tokenizer(name)  # also a recorded .gguf file
     else:
         from cepe.assets import load_decoder
 

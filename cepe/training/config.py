@@ -16,8 +16,9 @@ from typing import Any
 
 from cepe.config import _check
 
+from .losses import KL_FORMS
+
 STAGES = ("mlm", "warmup", "cepe", "ceped")
-KL_FORMS = ("renorm", "other")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
 
 
@@ -126,9 +127,12 @@ class TrainConfig:
         teacher_examples_per_shard: examples per teacher shard file.
         top_k: stored teacher tokens per position (50).
         ce_coef, kl_coef: loss = ce_coef·CE + kl_coef·KL (paper 1 and 2).
-        kl_form: ``"renorm"`` (both distributions renormalised over the teacher's top-k, the paper's form)
+        kl_form: ``"drop"`` (the released code's form and the default: the teacher's top-k probabilities
+            against the student's full-softmax probabilities at those ids, neither renormalised),
+            ``"renorm"`` (both renormalised over the teacher's top-k: the student's mass elsewhere is free)
             or ``"other"`` (a (k+1)-th bucket holding the leftover mass, teacher smoothed by
-            ``kl_smoothing``).
+            ``kl_smoothing``); see :func:`cepe.training.losses.topk_kl`. The KL counts only positions whose
+            label is not -100, as the cross-entropy.
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
@@ -169,7 +173,7 @@ class TrainConfig:
     top_k: int = 50
     ce_coef: float = 1.0
     kl_coef: float = 2.0
-    kl_form: str = "renorm"
+    kl_form: str = "drop"
     kl_smoothing: float = 1e-4
     # loop
     steps: int = 100

@@ -8,6 +8,8 @@ Shape legend: B batch, K chunks, L chunk length, T window tokens, n decoder toke
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 import numpy as np
@@ -88,8 +90,44 @@ def chunk_noise_mask(
     return mask_encoder_chunks(mask, p_mask=p_mask, p_whole=p_whole, generator=generator)
 
 
-def build_example(cfg: TrainConfig, window: torch.Tensor, index: int, mask_token_id: int | None) -> dict:
+@functools.lru_cache(maxsize=8)
+def _special_ids(decoder: str, tiny: str | None) -> tuple[int, ...]:
+    if tiny is not None:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**{k: v for k, v in json.loads(tiny).items() if k != "seed"})
+    else:
+        from transformers import AutoConfig
+
+        from cepe.assets import resolve_decoder
+
+        config = AutoConfig.from_pretrained(resolve_decoder(decoder))
+    ids: set[int] = set()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, name, None)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) >= 0:
+                ids.add(int(v))
+    return tuple(sorted(ids))
+
+
+def special_token_ids(cfg: TrainConfig) -> tuple[int, ...]:
+    """The decoder's special token ids (BOS, EOS, padding, from its config): masked-LM pre-training never
+    masks them (as the released code). Read once per decoder, without loading weights."""
+    tiny = json.dumps(cfg.tiny_decoder, sort_keys=True) if cfg.tiny_decoder is not None else None
+    return _special_ids(cfg.decoder, tiny)
+
+
+def build_example(
+    cfg: TrainConfig,
+    window: torch.Tensor,
+    index: int,
+    mask_token_id: int | None,
+    special_ids: tuple[int, ...] | None = None,
+) -> dict:
     """The model inputs of global example ``index`` for ``cfg.stage`` from its window ``(T,)``.
+
+    ``special_ids``: token ids the MLM stage never masks (default :func:`special_token_ids`).
 
     Returns:
         mlm: ``{"input_ids": (T,), "labels": (T,)}``;
@@ -108,8 +146,14 @@ def build_example(cfg: TrainConfig, window: torch.Tensor, index: int, mask_token
     if cfg.stage == "mlm":
         if mask_token_id is None:
             raise ValueError("the mlm stage needs a mask token id")
+        if special_ids is None:
+            special_ids = special_token_ids(cfg)
         ids, labels = mlm_example(
-            window, mask_token_id, cfg.mask_rate, generator=example_generator(seed, _MLM_TAG, index)
+            window,
+            mask_token_id,
+            cfg.mask_rate,
+            generator=example_generator(seed, _MLM_TAG, index),
+            special_ids=special_ids,
         )
         return {"input_ids": ids, "labels": labels, "index": torch.tensor(index)}
     if cfg.stage == "warmup":

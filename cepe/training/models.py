@@ -191,7 +191,7 @@ class StageModule(nn.Module):
             self._held.close()
             self._held.enter_context(m.use_context(ctx))
             if self.stage != "ceped":
-                out = m(batch["input_ids"], labels=batch["labels"], cross_context=ctx)
+                out = m(batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False)
                 return out.loss, {}
             hidden = m.decoder.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # (B, T, D)
             logits = m.lm_logits(hidden[:, :-1])  # (B, T-1, V): position t predicts token t+1
@@ -205,6 +205,7 @@ class StageModule(nn.Module):
             idx.reshape(-1, idx.shape[-1]),
             self.kl_form,
             self.kl_smoothing,
+            mask=batch["labels"][:, 1:].reshape(-1) != -100,
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cepe.compute import resolve_bf16
+from cepe.modeling import decoder_logits
 
 from .config import TrainConfig
 from .data import window_source
@@ -121,7 +122,7 @@ def run_teacher(
                 torch.autocast(dev.type, dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16, dev)),
             ):
                 hidden = teacher.get_decoder()(input_ids=ids).last_hidden_state[:, m:-1]  # (B, n-1, D)
-                logits = teacher.get_output_embeddings()(hidden)
+                logits = decoder_logits(teacher, hidden)  # the student's head, soft-capping included
             p, i = teacher_topk(logits, cfg.top_k)
             probs.append(p.cpu())
             idx.append(i.cpu())
