@@ -35,8 +35,14 @@ def _by(rows, **setting):
 
 
 def test_fixedppl_targets_do_not_move(setup):
-    cfg = {"sources": [{"documents": _docs(3)}], "contexts": [0, 64, 128], "decoder_window": 48,
-           "eval_tokens": 16, "chunk_length": 32, "sequences": 2}
+    cfg = {
+        "sources": [{"documents": _docs(3)}],
+        "contexts": [0, 64, 128],
+        "decoder_window": 48,
+        "eval_tokens": 16,
+        "chunk_length": 32,
+        "sequences": 2,
+    }
     rows = run_task("fixedppl", setup, cfg)["rows"]
     assert len(rows) == 9
     at0 = _by(rows, context=0)
@@ -50,8 +56,14 @@ def test_fixedppl_targets_do_not_move(setup):
 
 def test_copy_probe_matches_hand_computation(setup):
     docs = _docs(2)
-    cfg = {"sources": [{"documents": docs}], "passage_tokens": 40, "prefix_tokens": 8, "chunk_length": 16,
-           "passages_per_domain": 2, "shuffle": True}
+    cfg = {
+        "sources": [{"documents": docs}],
+        "passage_tokens": 40,
+        "prefix_tokens": 8,
+        "chunk_length": 16,
+        "passages_per_domain": 2,
+        "shuffle": True,
+    }
     rows = run_task("copy", setup, cfg)["rows"]
     assert {(r["setting"]["order"], r["method"]) for r in rows} == {
         (o, m) for o in ("natural", "shuffled") for m in ("cepe", "full", "truncated")
@@ -68,7 +80,9 @@ def test_copy_probe_matches_hand_computation(setup):
         mask = torch.ones(1, 3, 16, dtype=torch.bool)
         mask[0, 2, 8:] = False
         with torch.no_grad():
-            logits = model(ids, encoder_input_ids=torch.cat([chunks, rest], 1), encoder_attention_mask=mask).logits
+            logits = model(
+                ids, encoder_input_ids=torch.cat([chunks, rest], 1), encoder_attention_mask=mask
+            ).logits
         lp = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
         nll -= float(lp[-32:].sum())
     assert _by(rows, order="natural", domain="inline")["cepe"] == pytest.approx(math.exp(nll / 64), rel=1e-4)

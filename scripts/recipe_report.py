@@ -1,0 +1,67 @@
+"""Summarise the copy-warmup recipe ablation (scripts/recipe_ablation.sh) into results/recipe/:
+training-loss curves against CPU-minutes (PNG), and a table of the final training loss and the copy probe
+(`cepe eval copy`, held-out passages) per variant (JSON + markdown).
+
+CPU-minutes are steps × the run's median step time: the runs shared the machine with other jobs that paused
+them, and a pause inflates the wall time of the step it falls in but not the median.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def main(runs: Path = Path("runs/recipe"), out: Path = Path("results/recipe")) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in sorted(p for p in runs.iterdir() if (p / "log.jsonl").is_file()):
+        log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines() if x.strip()]
+        if not log:
+            continue
+        step_s = statistics.median(r["step_s"] for r in log)
+        minutes = [r["step"] * step_s / 60 for r in log]
+        loss = [r["loss"] for r in log]
+        k = min(10, len(loss))
+        ax.plot(
+            minutes,
+            [statistics.mean(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))],
+            label=run.name,
+        )
+        row = {
+            "variant": run.name,
+            "steps": log[-1]["step"],
+            "median_step_s": round(step_s, 2),
+            "cpu_minutes": round(minutes[-1], 1),
+            "train_loss_last10": round(statistics.mean(loss[-k:]), 3),
+            "train_loss_first": round(loss[0], 3),
+        }
+        probe = run / "copy" / "copy.json"
+        if probe.is_file():
+            for r in json.loads(probe.read_text())["rows"]:
+                key = f"copy_ppl_{r['setting']['order']}_{r['setting']['domain']}_{r['method']}"
+                row[key] = round(r["value"], 2)
+        rows.append(row)
+    ax.set_xlabel("CPU-minutes (2 cores, median step time)")
+    ax.set_ylabel("training loss (shuffled copy warmup, 10-step mean)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "recipe.png", dpi=120)
+    (out / "recipe.json").write_text(json.dumps(rows, indent=2) + "\n")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    md = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    md += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    (out / "recipe.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main(*(Path(a) for a in sys.argv[1:]))
