@@ -99,7 +99,7 @@ class CepeConfig:
             Mutually exclusive with ``cross_attention_layers``.
         chunk_length: L, encoder tokens per chunk.
         init_mode: ``"zero"`` (paper: o_proj zero), ``"copy"`` (released code: o_proj copied) or
-            ``"gate"`` (o_proj copied, output scaled by a per-layer ``tanh(gate)`` that starts at zero,
+            ``"gate"`` (o_proj copied, each head scaled by its own ``tanh(gate)`` that starts at zero,
             Flamingo style); q/k/v are always copied from the layer's self-attention, k/v sliced to the
             encoder width, the query norm copied from ``post_attention_layernorm`` (released code).
         attn_implementation: cross-attention (and encoder) kernel: ``"sdpa"`` or ``"eager"`` reference.

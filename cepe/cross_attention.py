@@ -103,8 +103,10 @@ class CrossAttention(nn.Module):
         self.k_proj = nn.Linear(encoder_hidden, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(encoder_hidden, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, decoder_hidden, bias=False)
-        # Flamingo-style gate (init_mode "gate"): the update is scaled by tanh(gate), zero at init.
-        self.gate = nn.Parameter(torch.zeros(1)) if gated else None
+        # Per-head gate (init_mode "gate", Flamingo style but one gate per head): head h's output is
+        # scaled by tanh(gate[h]) before o_proj, zero at init, so copied heads that already help can
+        # turn on one by one.
+        self.gate = nn.Parameter(torch.zeros(num_heads)) if gated else None
 
     def project_kv(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Φ ``(B, S, D_enc)`` -> K, V ``(B, KV, S, hd)``."""
@@ -135,9 +137,9 @@ class CrossAttention(nn.Module):
             else:  # "states" (or "kv" under autograd): re-project at every call
                 k, v = self.project_kv(ctx.states.to(q.dtype))
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
-        out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if self.gate is not None:
-            out = out * torch.tanh(self.gate).to(out.dtype)
+            out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
+        out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if ctx.has_context is not None:
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
