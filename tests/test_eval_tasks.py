@@ -209,7 +209,7 @@ def test_shipped_configs_parse():
     for f in files:
         data = yaml.safe_load(open(f))
         data.pop("methods", None)
-        task = f.split("/")[-1].split(".")[0].replace("_paper", "").replace("_long", "")
+        task = f.split("/")[-1].split(".")[0].split("_")[0]  # lm_paper, fixedppl_long -> the task
         config_from_dict(importlib.import_module(f"cepe.eval.tasks.{task}").Config, data, f)
     with pytest.raises(ValueError, match="unknown key"):
         config_from_dict(importlib.import_module("cepe.eval.tasks.lm").Config, {"totalz": [1]})
