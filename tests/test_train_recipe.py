@@ -83,3 +83,15 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         d.pop(key, None)
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
+
+
+def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
+    from cepe.training.trainer import param_groups
+
+    over = dict(encoder_init="decoder", encoder={"num_hidden_layers": 1}, cepe={"init_mode": "gate"})
+    cfg = _cfg(tmp_path, optim={"lr": 1e-3, "gate_lr": 5e-2}, **over)
+    model = build_model(cfg)
+    groups = param_groups(model, trainable_parameters(model), cfg)
+    assert len(groups) == 2 and groups[1]["lr"] == 5e-2
+    assert {id(p) for p in groups[1]["params"]} == {id(m.gate) for m in model.cross_attention_modules()}
+    assert len(param_groups(model, trainable_parameters(model), _cfg(tmp_path, **over))) == 1

@@ -70,7 +70,10 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay (paper: betas 0.9/0.999, eps 1e-8, 4 % warmup)."""
+    """AdamW with linear warmup then cosine decay (paper: betas 0.9/0.999, eps 1e-8, 4 % warmup).
+
+    ``gate_lr``: learning rate of the per-head cross-attention gates (``init_mode: gate``); None = ``lr``.
+    """
 
     lr: float = 3e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -79,9 +82,11 @@ class OptimConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
     max_grad_norm: float | None = 1.0
+    gate_lr: float | None = None
 
     def validate(self) -> None:
         _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        _check(self.gate_lr is None or self.gate_lr > 0, f"optim.gate_lr must be positive, got {self.gate_lr}")
         _check(len(self.betas) == 2, f"optim.betas must be two numbers, got {self.betas!r}")
         _check(
             0.0 <= self.warmup_ratio < 1.0, f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}"
@@ -309,6 +314,8 @@ class TrainConfig:
         for key in ("warmup_decoder_tokens", "freeze_encoder"):
             if not d.get(key):
                 d.pop(key, None)
+        if d["optim"].get("gate_lr") is None:
+            d["optim"].pop("gate_lr", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -49,6 +49,21 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_ratio: 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict[str, Any]]:
+    """AdamW parameter groups: the cross-attention head gates at ``optim.gate_lr`` when set (a gate moves
+    about one learning rate per Adam step, so at the weights' rate it would need thousands of steps to
+    open), everything else at ``optim.lr``."""
+    if cfg.optim.gate_lr is None:
+        return [{"params": params}]
+    gates = {id(p) for n, p in model.named_parameters() if n.endswith("cross_attn.gate")}
+    rest = [p for p in params if id(p) not in gates]
+    gated = [p for p in params if id(p) in gates]
+    groups = [{"params": rest}]
+    if gated:
+        groups.append({"params": gated, "lr": cfg.optim.gate_lr})
+    return groups
+
+
 def cpu_only() -> bool:
     """True when no GPU-like device is present (then several processes use gloo on the CPU)."""
     xpu = getattr(torch, "xpu", None)
@@ -122,7 +137,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
             raise RuntimeError(f"decoder parameters would train: {bad[:5]}")
     module = StageModule(model, cfg)
     optimizer = torch.optim.AdamW(
-        params,
+        param_groups(model, params, cfg),
         lr=cfg.optim.lr,
         betas=(cfg.optim.betas[0], cfg.optim.betas[1]),
         eps=cfg.optim.eps,
