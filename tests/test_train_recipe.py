@@ -76,6 +76,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     for key in ("encoder_init", "warmup_decoder_tokens", "freeze_encoder"):
         d.pop(key)
     d["data"].pop("shuffle")
+    d["optim"].pop("gate_lr")
     import hashlib
     import json
 
