@@ -93,3 +93,23 @@ def test_configs_reject_bad_sizes():
         CopyConfig(passage_tokens=16, prefix_tokens=16)
     with pytest.raises(ValueError, match="eval_tokens"):
         FixedConfig(decoder_window=8, eval_tokens=9)
+
+
+def test_reports_are_written(setup, tmp_path):
+    from cepe.eval.report import write_report
+
+    cfg = {"sources": [{"documents": _docs(1)}], "passage_tokens": 24, "prefix_tokens": 4, "chunk_length": 8}
+    result = run_task("copy", setup, cfg)
+    paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
+    assert "| cepe |" in open(paths["markdown"]).read()
+    cfg = {
+        "sources": [{"documents": _docs(1)}],
+        "contexts": [0, 32],
+        "decoder_window": 24,
+        "eval_tokens": 8,
+        "chunk_length": 8,
+        "sequences": 1,
+    }
+    result = run_task("fixedppl", setup, cfg)
+    paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
+    assert paths.get("plot") and open(paths["plot"], "rb").read(4) == b"\x89PNG"

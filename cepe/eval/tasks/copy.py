@@ -102,4 +102,4 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                         **cost,
                     }
                 )
-    return {"task": "copy", "rows": rows, "notes": [], "plot_x": "order"}
+    return {"task": "copy", "rows": rows, "notes": [], "plot_x": None}  # categorical: table only
