@@ -46,6 +46,7 @@ class CrossContext:
     q_scale: torch.Tensor | None = None
     has_context: torch.Tensor | None = None
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    align: AlignProbe | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +73,56 @@ class CrossContext:
             rep(self.q_scale),
             rep(self.has_context),
         )
+
+
+@dataclass
+class AlignProbe:
+    """Attention supervision for training (the ``align_coef`` copy-warmup option): the first ``heads``
+    query heads of the listed layers are asked to attend, from decoder position t, to encoder position
+    ``targets[b, t]`` (the copy of the token that follows; -1 = no target).
+
+    Attributes:
+        targets: ``(B, T)`` long encoder positions (after key packing), -1 where unsupervised.
+        heads: supervised query heads per layer (the first ones).
+        layers: supervised decoder layer indices (None = every cross-attention layer).
+        losses: one mean negative log attention probability per supervised layer, filled by the forward.
+    """
+
+    targets: torch.Tensor
+    heads: int = 1
+    layers: frozenset[int] | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def wants(self, layer_idx: int) -> bool:
+        return self.layers is None or layer_idx in self.layers
+
+    def loss(self) -> torch.Tensor:
+        """Mean over supervised layers (0 when none ran)."""
+        if not self.losses:
+            return self.targets.new_zeros((), dtype=torch.float32)
+        return torch.stack(self.losses).mean()
+
+
+def align_nll(
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float, probe: AlignProbe
+) -> torch.Tensor:
+    """Mean ``-log p(attend to target)`` of the first ``probe.heads`` heads (fp32 scores).
+
+    Args:
+        q: ``(B, H, T, hd)``; k: ``(B, KV, S, hd)``; key_mask: ``(B, S)`` bool or None.
+    """
+    h = min(probe.heads, q.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    kh = k.repeat_interleave(groups, dim=1)[:, :h] if groups > 1 else k[:, :h]  # (B, h, S, hd)
+    scores = torch.matmul(q[:, :h].float(), kh.float().transpose(-1, -2)) * scale  # (B, h, T, S)
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    logp = torch.log_softmax(scores, dim=-1)
+    tgt = probe.targets  # (B, T)
+    valid = tgt >= 0
+    picked = logp.gather(-1, tgt.clamp_min(0)[:, None, :, None].expand(-1, h, -1, 1))[..., 0]  # (B, h, T)
+    picked = picked * valid[:, None, :]
+    return -picked.sum() / (valid.sum() * h).clamp_min(1)
 
 
 class CrossAttention(nn.Module):
@@ -136,6 +187,8 @@ class CrossAttention(nn.Module):
                 k, v = ctx.kv[self.layer_idx]
             else:  # "states" (or "kv" under autograd): re-project at every call
                 k, v = self.project_kv(ctx.states.to(q.dtype))
+            if ctx.align is not None and ctx.align.wants(self.layer_idx):
+                ctx.align.losses.append(align_nll(q, k, key_mask, self.scale, ctx.align))
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]

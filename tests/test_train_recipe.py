@@ -3,6 +3,7 @@ decoder spans, a frozen encoder, and fingerprints that older runs keep."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import yaml
 
@@ -73,7 +74,14 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     """Runs written before the new fields keep their fingerprint (so they still resume)."""
     cfg = _cfg(tmp_path)
     d = cfg.to_dict()
-    for key in ("encoder_init", "warmup_decoder_tokens", "freeze_encoder"):
+    for key in (
+        "encoder_init",
+        "warmup_decoder_tokens",
+        "freeze_encoder",
+        "align_coef",
+        "align_heads",
+        "align_layers",
+    ):
         d.pop(key)
     d["data"].pop("shuffle")
     d["optim"].pop("gate_lr")
@@ -96,3 +104,47 @@ def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
     assert len(groups) == 2 and groups[1]["lr"] == 5e-2
     assert {id(p) for p in groups[1]["params"]} == {id(m.gate) for m in model.cross_attention_modules()}
     assert len(param_groups(model, trainable_parameters(model), _cfg(tmp_path, **over))) == 1
+
+
+def test_align_nll_by_hand():
+    from cepe.cross_attention import AlignProbe, align_nll
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)  # H=4, KV=2
+    targets = torch.tensor([[1, 4, -1], [0, 2, 3]])
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 4] = False
+    got = align_nll(q, k, mask, 0.5, AlignProbe(targets, heads=3))
+    nll, n = 0.0, 0
+    for b in range(2):
+        for h in range(3):
+            for t in range(3):
+                if targets[b, t] < 0:
+                    continue
+                s = (q[b, h, t] @ k[b, h // 2].T) * 0.5
+                s[~mask[b]] = float("-inf")
+                nll -= float(torch.log_softmax(s, -1)[targets[b, t]])
+                n += 1
+    assert float(got) == pytest.approx(nll / n, rel=1e-5)
+
+
+def test_attention_supervision_teaches_the_copy_position(tmp_path):
+    """With align_coef the supervised heads learn to attend where the next token's copy is."""
+    over = dict(
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1, "causal": False},
+        cepe={"init_mode": "zero", "cross_attention_layers": [1]},
+        align_coef=1.0,
+        align_heads=2,
+        warmup_decoder_tokens=16,
+        steps=150,
+        optim={"lr": 1e-2},
+    )
+    cfg = _cfg(tmp_path, **over)
+    ex = build_example(cfg, window_source(cfg, 128)[0], 0, None)
+    enc = ex["encoder_input_ids"].flatten()
+    t = ex["align_targets"]
+    assert t[-1] == -1 and torch.equal(enc[t[:-1]], ex["input_ids"][1:])  # targets hold the next tokens
+    log = read_log(train(cfg))
+    print([round(r["align"], 2) for r in log])
+    assert log[-1]["align"] < 0.3 * log[0]["align"]

@@ -86,7 +86,9 @@ class OptimConfig:
 
     def validate(self) -> None:
         _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
-        _check(self.gate_lr is None or self.gate_lr > 0, f"optim.gate_lr must be positive, got {self.gate_lr}")
+        _check(
+            self.gate_lr is None or self.gate_lr > 0, f"optim.gate_lr must be positive, got {self.gate_lr}"
+        )
         _check(len(self.betas) == 2, f"optim.betas must be two numbers, got {self.betas!r}")
         _check(
             0.0 <= self.warmup_ratio < 1.0, f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}"
@@ -121,6 +123,10 @@ class TrainConfig:
             seeded random place of the encoder's n tokens (it must find the span among the k chunks:
             retrieval, not only copying); None = the whole n (the paper's duplicate task).
         freeze_encoder: train only the cross-attention (the encoder keeps its initial weights).
+        align_coef, align_heads, align_layers: copy warmup only: add ``align_coef`` × the mean negative log
+            attention probability with which the first ``align_heads`` cross-attention heads of
+            ``align_layers`` (None = all) attend, from decoder position t, to the encoder position of token
+            t+1 (its copy): attention supervision that starts the copy mechanism (0 = off).
         n_decoder, chunk_length, n_chunks: CEPE / CEPED: the last n tokens to the decoder, the first K·L
             as K chunks to the encoder (paper 4096 + 16×256).
         chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
@@ -166,6 +172,9 @@ class TrainConfig:
     warmup_chunks: int = 4
     warmup_decoder_tokens: int | None = None
     freeze_encoder: bool = False
+    align_coef: float = 0.0
+    align_heads: int = 3
+    align_layers: list[int] | None = None
     n_decoder: int = 4096
     chunk_length: int = 256
     n_chunks: int = 16
@@ -220,6 +229,10 @@ class TrainConfig:
         ):
             _check(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(0.0 < self.mask_rate < 1.0, f"mask_rate must be in (0, 1), got {self.mask_rate}")
+        _check(self.align_coef >= 0, f"align_coef must be >= 0, got {self.align_coef}")
+        _check(self.align_heads > 0, f"align_heads must be positive, got {self.align_heads}")
+        if self.align_coef > 0:
+            _check(self.stage == "warmup", "align_coef (attention supervision) needs the copy warmup stage")
         if self.warmup_decoder_tokens is not None:
             _check(
                 1 < self.warmup_decoder_tokens <= self.warmup_tokens,
@@ -311,9 +324,12 @@ class TrainConfig:
             d.pop("encoder_init")
         if not d["data"].get("shuffle"):
             d["data"].pop("shuffle", None)
-        for key in ("warmup_decoder_tokens", "freeze_encoder"):
+        for key in ("warmup_decoder_tokens", "freeze_encoder", "align_coef"):
             if not d.get(key):
                 d.pop(key, None)
+        if "align_coef" not in d:
+            d.pop("align_heads", None)
+            d.pop("align_layers", None)
         if d["optim"].get("gate_lr") is None:
             d["optim"].pop("gate_lr", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

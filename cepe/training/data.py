@@ -160,10 +160,15 @@ def build_example(
         enc, dec = split_for_warmup(window, cfg.warmup_tokens, cfg.warmup_chunks)
         mask = torch.ones_like(enc, dtype=torch.bool)
         span = cfg.warmup_decoder_tokens
+        start = 0
         if span is not None and span < dec.shape[-1]:
             g = example_generator(seed, _SPAN_TAG, index)
             start = int(torch.randint(0, dec.shape[-1] - span + 1, (1,), generator=g))
             dec = dec[start : start + span].clone()
+        if cfg.align_coef > 0:  # decoder position t reads the copy of token t+1 at encoder position start+t+1
+            align = torch.arange(start + 1, start + 1 + dec.shape[-1])
+            align[-1] = -1
+            extra = {"align_targets": align}
     else:
         enc, dec = split_for_cepe(window, cfg.n_decoder, cfg.chunk_length, cfg.n_chunks)
         mask = torch.ones_like(enc, dtype=torch.bool)
@@ -176,6 +181,7 @@ def build_example(
         "encoder_input_ids": enc,
         "encoder_attention_mask": mask,
         "index": torch.tensor(index),
+        **(extra if cfg.stage == "warmup" and cfg.align_coef > 0 else {}),
     }
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from cepe.compute import resolve_bf16
 from cepe.config import CepeConfig, EncoderConfig, encoder_config_from_decoder
+from cepe.cross_attention import AlignProbe
 from cepe.encoder import EncoderForMaskedLM
 from cepe.modeling import CepeForCausalLM
 
@@ -170,6 +171,8 @@ class StageModule(nn.Module):
         self.bf16 = cfg.bf16
         self.ce_coef, self.kl_coef = cfg.ce_coef, cfg.kl_coef
         self.kl_form, self.kl_smoothing = cfg.kl_form, cfg.kl_smoothing
+        self.align_coef, self.align_heads = cfg.align_coef, cfg.align_heads
+        self.align_layers = None if cfg.align_layers is None else frozenset(cfg.align_layers)
         self._held = contextlib.ExitStack()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
@@ -190,8 +193,17 @@ class StageModule(nn.Module):
             )
             self._held.close()
             self._held.enter_context(m.use_context(ctx))
+            if "align_targets" in batch and ctx is not None:
+                ctx.align = AlignProbe(batch["align_targets"], self.align_heads, self.align_layers)
             if self.stage != "ceped":
                 out = m(batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False)
+                if ctx is not None and ctx.align is not None:
+                    align = ctx.align.loss()
+                    ctx.align = None
+                    return out.loss + self.align_coef * align, {
+                        "lm": out.loss.detach(),
+                        "align": align.detach(),
+                    }
                 return out.loss, {}
             hidden = m.decoder.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # (B, T, D)
             logits = m.lm_logits(hidden[:, :-1])  # (B, T-1, V): position t predicts token t+1
