@@ -20,7 +20,8 @@ def tiny_model(chunk_length: int = 16, seed: int = 0):
     """A deterministic tiny random CEPE model and byte tokenizer (same weights in every process).
 
     Returns:
-        ``(model, tokenizer)``; cross-attention has non-zero weights so the context changes the output.
+        ``(model, tokenizer)``; cross-attention has non-zero weights so the context changes the output;
+        generation runs to ``max_new_tokens`` (no end-of-sequence stop).
     """
     from .config import CepeConfig, EncoderConfig
     from .eval.testing import ByteTokenizer, tiny_decoder
@@ -41,6 +42,8 @@ def tiny_model(chunk_length: int = 16, seed: int = 0):
         for m in model.cross_attention_modules():
             for p in m.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    # Never stops at end-of-sequence: a request's length is exactly its max_tokens (bounded, repeatable).
+    model.decoder.generation_config.eos_token_id = None
     return model, ByteTokenizer()
 
 
