@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "cepe.main_job",
     "cepe.store_cli",
     "cepe.server",
+    "cepe.bench.store_ttft",
 )
 
 

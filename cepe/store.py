@@ -440,19 +440,63 @@ class ContextStore:
         """
         if not isinstance(text, str):
             raise StoreError(f"a context must be text (str), got {type(text).__name__}")
-        info = self._model_info()
+        self._model_info()
         cid = context_id(text)
         if self._file(cid).exists():
             self.load(cid)  # refuses a corrupted or foreign copy instead of silently keeping it
             return cid, False
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._add(cid, ids, name, hashlib.sha256(text.encode("utf-8")).hexdigest())
+
+    @torch.no_grad()
+    def add_token_ids(
+        self,
+        ids: Sequence[int],
+        name: str | None = None,
+        encoded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[str, bool]:
+        """Store a document given as token ids; its id derives from the ids (int32 bytes).
+
+        Args:
+            ids: token ids ``(N,)``.
+            name: a label kept in the metadata.
+            encoded: Φ already computed for these ids by ``model.encode_context`` on
+                ``chunk_ids(ids, L)``: ``(states (1, S, D), key_mask (1, S))`` (not encoded again).
+
+        Returns:
+            ``(id, added)``.
+        """
+        self._model_info()
+        raw = np.asarray(list(ids), dtype=np.int32).tobytes()
+        source = hashlib.sha256(raw).hexdigest()
+        cid = source[:16]
+        if self._file(cid).exists():
+            self.load(cid)
+            return cid, False
+        return self._add(cid, list(ids), name, source, encoded)
+
+    def _add(self, cid, ids, name, source_sha256, encoded=None) -> tuple[str, bool]:
+        info = self._model_info()
         if not ids:
             raise StoreError("the context is empty (no tokens); give some text")
         self._ensure_created()
         model, length = self.model, info["chunk_length"]
         chunks, mask = chunk_ids(ids, length, pad_id=getattr(self.tokenizer, "pad_token_id", None) or 0)
         t0 = time.perf_counter()
-        states, key_mask = model.encode_context(chunks[None].to(model.device), mask[None].to(model.device))
+        if encoded is None:
+            states, key_mask = model.encode_context(
+                chunks[None].to(model.device), mask[None].to(model.device)
+            )
+        else:
+            states, key_mask = encoded
+            if tuple(states.shape) != (1, chunks.numel(), info["d_enc"]) or tuple(key_mask.shape) != (
+                1,
+                chunks.numel(),
+            ):
+                raise StoreError(
+                    f"encoded states {tuple(states.shape)} / mask {tuple(key_mask.shape)} do not match "
+                    f"{len(ids)} ids in chunks of {length} (expected (1, {chunks.numel()}, {info['d_enc']}))"
+                )
         seconds = time.perf_counter() - t0
         tensors = {
             "states": states[0].to(STORE_DTYPES[self.dtype]).cpu().contiguous(),  # (S, D)
@@ -463,7 +507,7 @@ class ContextStore:
             "format": CONTEXT_FORMAT,
             "id": cid,
             "name": (name or "")[:200],
-            "source_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "source_sha256": source_sha256,
             "n_tokens": str(len(ids)),
             "n_chunks": str(chunks.shape[0]),
             "chunk_length": str(length),

@@ -384,3 +384,41 @@ def test_token_graceful_shutdown_and_host_guard(tmp_path, capsys):
             srv.request("GET", "/health", timeout=5)
     finally:
         srv.stop()
+
+
+def test_request_time_limit_stops_generation(tmp_path):
+    """In-process: a request past its time limit stops at the next token and says so."""
+    import asyncio
+
+    from cepe.server import CepeService, ServeLimits
+    from cepe.store import ContextStore
+    from cepe.store_cli import tiny_model
+
+    model, tok = tiny_model()
+    service = CepeService(
+        model, tok, ContextStore(tmp_path / "s", model, tok), ServeLimits(request_timeout_s=0.3), "tiny"
+    )
+    spec = {
+        "prompt_ids": tok.encode("Hello"),
+        "query": "Hello",
+        "contexts": [],
+        "budget": None,
+        "retriever": "bm25",
+        "max_new_tokens": 3000,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+    }
+
+    async def go():
+        job = service.make_job(asyncio.get_running_loop(), spec)
+        service.worker.submit(job)
+        return await asyncio.wait_for(job.done, 120)
+
+    try:
+        info = asyncio.run(go())
+    finally:
+        service.worker.stop()
+    assert info["timed_out"] and info["stopped"] == "timeout"
+    assert 0 < info["completion_tokens"] < 3000 and info["finish_reason"] == "length"
+    assert service.worker.state()["stopped"] == {"timeout": 1}

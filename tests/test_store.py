@@ -277,3 +277,18 @@ def test_cli_add_list_show_ask_rm(tmp_path, capsys):
     assert "no context" in capsys.readouterr().err
     assert cli_main(["ask", "Who?", "--store", st, "--context", "nope", "--model", "tiny"]) == 2
     assert "not a context id" in capsys.readouterr().err
+
+
+def test_add_token_ids_with_precomputed_states_equals_encoding(tiny, tmp_path):
+    model, tok = tiny
+    ids = tok.encode(TEXT)
+    chunks, mask = chunk_ids(ids, 16, pad_id=tok.pad_token_id)
+    enc = model.encode_context(chunks[None], mask[None])
+    a = ContextStore(tmp_path / "a", model, tok, dtype="fp32")
+    b = ContextStore(tmp_path / "b", model, tok, dtype="fp32")
+    ca, _ = a.add_token_ids(ids, encoded=enc)
+    cb, _ = b.add_token_ids(ids)
+    assert ca == cb and torch.equal(a.load(ca).states, b.load(cb).states)
+    assert a.add_token_ids(ids) == (ca, False)
+    with pytest.raises(StoreError, match="do not match"):
+        a.add_token_ids(ids[:-20], encoded=enc)
