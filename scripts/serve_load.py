@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 QUESTIONS = [
     "What is this document about?",
     "Which command trains the adapter?",
@@ -146,8 +147,29 @@ def store_listing(store: Path) -> list[str]:
     return sorted(p.name for p in (store / "contexts").iterdir()) if (store / "contexts").is_dir() else []
 
 
+def check_outcome(store: Path, before: list[str]) -> str:
+    """What a killed writer left: ``unchanged``, ``added (complete, hash verified)`` or ``BROKEN ...``;
+    a complete addition is removed again so that the next run starts from the same store."""
+    from cepe.store import ContextStore, StoreError
+
+    now = store_listing(store)
+    lost = sorted(set(before) - set(now))
+    added = sorted(set(now) - set(before))
+    if lost:
+        return f"BROKEN: lost {lost}"
+    opened = ContextStore(store)  # also removes the staging files of writers that no longer run
+    for name in added:
+        try:
+            opened.load(name.removesuffix(".safetensors"))
+        except StoreError as err:
+            return f"BROKEN: {err}"
+        (store / "contexts" / name).unlink()
+    return "added (complete, hash verified)" if added else "unchanged"
+
+
 def fault_killed_add(store: Path, docs: list[Path], model: str, work: Path) -> dict:
-    """Kill ``context add`` while encoding and while writing; the store must be as it was."""
+    """Kill ``context add`` while encoding and while writing; the store must hold either what it held
+    or the complete new document, never a partial one."""
     t0 = time.perf_counter()
     p = cli(
         ["context", "add", str(docs[0]), "--store", str(store)],
@@ -155,15 +177,16 @@ def fault_killed_add(store: Path, docs: list[Path], model: str, work: Path) -> d
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    out, err = p.communicate(timeout=600)
+    _, err = p.communicate(timeout=600)
     first_add_s = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"context add failed: {err}")
     before = store_listing(store)
     big = work / "big.txt"
-    big.write_text("\n\n".join(d.read_text() for d in docs) * 4)
+    big.write_text("\n\n".join(d.read_text() for d in docs) * 6)
     result = {"first_add_s": round(first_add_s, 2), "listing_before": before, "runs": []}
-    # (a) killed while encoding: after the model has loaded (90 % of the first add's time), before writing
+    tmp_dir = store / "tmp"
+    # (a) killed at 90 % of the first add's time (model loaded; encoding the larger document)
     p = cli(
         ["context", "add", str(big), "--store", str(store)],
         model,
@@ -174,15 +197,17 @@ def fault_killed_add(store: Path, docs: list[Path], model: str, work: Path) -> d
     alive = p.poll() is None
     p.send_signal(signal.SIGKILL)
     p.wait(60)
+    staging = len(list(tmp_dir.iterdir())) if tmp_dir.is_dir() else 0
     result["runs"].append(
         {
             "when": "while encoding",
             "killed_while_running": alive,
-            "listing_unchanged": store_listing(store) == before,
+            "staging_files_left": staging,
+            "outcome": check_outcome(store, before),
+            "staging_after_reopen": len(list(tmp_dir.iterdir())) if tmp_dir.is_dir() else 0,
         }
     )
-    # (b) killed as soon as the staging file exists (mid-write or between write and rename)
-    tmp_dir = store / "tmp"
+    # (b) killed as soon as its staging file exists (mid-write or between write and rename)
     for attempt in range(3):
         doc = work / f"write-{attempt}.txt"
         doc.write_text(big.read_text() + f"\n{attempt}")
@@ -201,25 +226,19 @@ def fault_killed_add(store: Path, docs: list[Path], model: str, work: Path) -> d
                 break
             time.sleep(0.002)
         p.wait(60)
-        leftovers = [f.name for f in tmp_dir.iterdir()] if tmp_dir.is_dir() else []
-        run = {
-            "when": "staging file present (writing)",
-            "attempt": attempt,
-            "killed_mid_write": caught,
-            "leftover_staging_files": len(leftovers),
-        }
+        staging = len(list(tmp_dir.iterdir())) if tmp_dir.is_dir() else 0
+        result["runs"].append(
+            {
+                "when": "staging file present (writing)",
+                "attempt": attempt,
+                "killed_mid_write": caught,
+                "staging_files_left": staging,
+                "outcome": check_outcome(store, before),
+                "staging_after_reopen": len(list(tmp_dir.iterdir())) if tmp_dir.is_dir() else 0,
+            }
+        )
         if caught:
-            run["listing_unchanged"] = store_listing(store) == before
-            from cepe.store import ContextStore
-
-            ContextStore(store)  # opening the store removes a dead writer's staging file
-            run["leftover_after_reopen"] = len(list(tmp_dir.iterdir()))
-            result["runs"].append(run)
             break
-        # the write finished before it could be killed: undo the addition and try again
-        for name in set(store_listing(store)) - set(before):
-            (store / "contexts" / name).unlink()
-        result["runs"].append(run)
     return result
 
 
@@ -237,7 +256,6 @@ def main() -> int:
     )
     ap.add_argument("--out", default="results/serve")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     docs = [REPO / d if not Path(d).is_absolute() else Path(d) for d in args.docs]
     result: dict = {"config": vars(args) | {"docs": [str(Path(d)) for d in args.docs]}}
     with tempfile.TemporaryDirectory(prefix="cepe-serve-load-") as tmp:
