@@ -68,7 +68,7 @@ class ServeLimits:
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 512
     default_new_tokens: int = 128
-    max_upload_bytes: int = 8 * 2**20
+    max_upload_bytes: int = 4 * 2**20
     max_context_tokens: int = 131072
     request_timeout_s: float = 300.0
     shutdown_grace_s: float = 30.0

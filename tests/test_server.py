@@ -202,6 +202,7 @@ def test_openai_client_unchanged(server):
         extra_body={"contexts": [cid]},
     )
     assert r.choices[0].message.content == ref and r.usage.completion_tokens == 6
+    assert r.model_extra["cepe"]["contexts"] == [cid]  # the extension field reaches the client
     stream = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Where is Paris?"}],
