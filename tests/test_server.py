@@ -211,6 +211,25 @@ def test_openai_client_unchanged(server):
         extra_body={"contexts": [cid]},
     )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == ref
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+    sampled = [
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=1.0, seed=s
+        )
+        .choices[0]
+        .message.content
+        for s in (1, 1, 2)
+    ]
+    assert sampled[0] == sampled[1] != sampled[2]  # sampling is seeded per request
     comp = client.completions.create(model="tiny", prompt="Paris is", max_tokens=5)
     assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 5
     streamed = "".join(
