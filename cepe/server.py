@@ -216,19 +216,22 @@ class ModelWorker:
                     job.fail(ServiceError(503, "the server is shutting down", "server_error"))
                     continue
                 self.running = job
+            value, error = None, None
             try:
                 if job.should_stop():
                     raise ServiceError(503, f"gave up waiting for the model ({job.reason})", "server_error")
-                job.done_value = job.run(job)
-                job._resolve(job.done, job.done_value)
+                value = job.run(job)
             except BaseException as err:  # every failure is reported to its request; the worker lives on
-                job.fail(err if isinstance(err, Exception) else RuntimeError(str(err)))
-            finally:
-                with self._lock:
-                    self.running = None
-                    self.served += 1
-                    if job.reason is not None:
-                        self.stopped[job.reason] = self.stopped.get(job.reason, 0) + 1
+                error = err if isinstance(err, Exception) else RuntimeError(str(err))
+            with self._lock:  # counters first: a caller woken by the result sees them updated
+                self.running = None
+                self.served += 1
+                if job.reason is not None:
+                    self.stopped[job.reason] = self.stopped.get(job.reason, 0) + 1
+            if error is not None:
+                job.fail(error)
+            else:
+                job._resolve(job.done, value)
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new jobs, fail the queued ones (503), stop the running one after ``grace_s``."""
@@ -375,7 +378,8 @@ class CepeService:
                 **(ctx.encoder_kwargs() if ctx is not None else {}),
             )
             ids = streamer.ids
-            finish = "stop" if ids and eos is not None and ids[-1] == eos else "length"
+            # ended before max_new_tokens without being stopped: the model's end-of-sequence
+            finish = "stop" if len(ids) < spec["max_new_tokens"] and job.reason is None else "length"
             info = {
                 "finish_reason": finish,
                 "completion_tokens": len(ids),

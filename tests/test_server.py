@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cepe.cli import main as cli_main
 from cepe.store import context_id
@@ -406,25 +407,21 @@ def test_token_graceful_shutdown_and_host_guard(tmp_path, capsys):
         srv.stop()
 
 
-def test_request_time_limit_stops_generation(tmp_path):
-    """In-process: a request past its time limit stops at the next token and says so."""
+def _run_in_process(model, tok, tmp_path, limits, max_new_tokens: int) -> tuple[dict, dict]:
+    """Run one generation job through the service without HTTP: ``(end info, worker state)``."""
     import asyncio
 
-    from cepe.server import CepeService, ServeLimits
+    from cepe.server import CepeService
     from cepe.store import ContextStore
-    from cepe.store_cli import tiny_model
 
-    model, tok = tiny_model()
-    service = CepeService(
-        model, tok, ContextStore(tmp_path / "s", model, tok), ServeLimits(request_timeout_s=0.3), "tiny"
-    )
+    service = CepeService(model, tok, ContextStore(tmp_path / "s", model, tok), limits, "tiny")
     spec = {
         "prompt_ids": tok.encode("Hello"),
         "query": "Hello",
         "contexts": [],
         "budget": None,
         "retriever": "bm25",
-        "max_new_tokens": 3000,
+        "max_new_tokens": max_new_tokens,
         "temperature": 0.0,
         "top_p": 1.0,
         "seed": None,
@@ -436,9 +433,33 @@ def test_request_time_limit_stops_generation(tmp_path):
         return await asyncio.wait_for(job.done, 120)
 
     try:
-        info = asyncio.run(go())
+        return asyncio.run(go()), service.worker.state()
     finally:
         service.worker.stop()
+
+
+def test_request_time_limit_stops_generation(tmp_path):
+    """In-process: a request past its time limit stops at the next token and says so."""
+    from cepe.server import ServeLimits
+    from cepe.store_cli import tiny_model
+
+    model, tok = tiny_model()
+    info, state = _run_in_process(model, tok, tmp_path, ServeLimits(request_timeout_s=0.3), 3000)
     assert info["timed_out"] and info["stopped"] == "timeout"
     assert 0 < info["completion_tokens"] < 3000 and info["finish_reason"] == "length"
-    assert service.worker.state()["stopped"] == {"timeout": 1}
+    assert state["stopped"] == {"timeout": 1}
+
+
+def test_end_of_sequence_finishes_with_stop(tmp_path):
+    from cepe.server import ServeLimits
+    from cepe.store_cli import tiny_model
+
+    model, tok = tiny_model()
+    ids = torch.tensor([tok.encode("Hello")])
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+    eos = greedy[2]
+    model.decoder.generation_config.eos_token_id = eos
+    info, _ = _run_in_process(model, tok, tmp_path, ServeLimits(), 8)
+    assert info["finish_reason"] == "stop" and info["completion_tokens"] == greedy.index(eos) + 1
+    info, _ = _run_in_process(model, tok, tmp_path / "b", ServeLimits(), greedy.index(eos))
+    assert info["finish_reason"] == "length"
