@@ -99,9 +99,13 @@ def kv_bytes_per_token(decoder_config, dtype_bytes: int) -> int:
     return 2 * c.num_hidden_layers * heads * head_dim * dtype_bytes
 
 
+def _log(*parts: Any) -> None:
+    print(*parts, flush=True)  # a run stopped from outside keeps what it measured in its log
+
+
 @torch.no_grad()
 def run_store_bench(
-    cfg: StoreBenchConfig, out_dir: str | os.PathLike[str] | None = None, log=print
+    cfg: StoreBenchConfig, out_dir: str | os.PathLike[str] | None = None, log=_log
 ) -> dict[str, Any]:
     """Measure every length of ``cfg`` (see the module docstring).
 
@@ -160,7 +164,12 @@ def run_store_bench(
             row["ttft_stored_warm_s"] = time.perf_counter() - t
             del ctx
             row["first_token_same"] = tok_re == tok_cold == tok_warm
+            log(
+                f"T={n}: ttft stored {row['ttft_stored_cold_s']:.2f} s (warm {row['ttft_stored_warm_s']:.2f}), "
+                f"re-encode {row['ttft_reencode_s']:.2f} s (encode {row['encode_s']:.2f})"
+            )
             if n <= cfg.full_max_tokens:
+                log(f"T={n}: full-context prefill ...")
                 t = time.perf_counter()
                 _first_token_full(model, ids, prompt, cfg.full_chunk)
                 row["ttft_full_s"] = time.perf_counter() - t
@@ -172,11 +181,8 @@ def run_store_bench(
                 row["full_over_stored"] = row["ttft_full_s"] / row["ttft_stored_cold_s"]
             row["load_avg_end"] = os.getloadavg()[0]
             rows.append(row)
-            full = f"{row['ttft_full_s']:.2f}" if row["ttft_full_s"] is not None else "skipped"
-            log(
-                f"T={n}: ttft stored {row['ttft_stored_cold_s']:.2f} s (warm {row['ttft_stored_warm_s']:.2f}), "
-                f"re-encode {row['ttft_reencode_s']:.2f} s (encode {row['encode_s']:.2f}), full {full}"
-            )
+            if row["ttft_full_s"] is not None:
+                log(f"T={n}: full {row['ttft_full_s']:.2f} s")
             store.remove(cid)
     kv = kv_bytes_per_token(model.decoder.config, dtype_bytes)
     phi = int(model.cepe_config.encoder.hidden_size) * dtype_bytes
