@@ -24,8 +24,6 @@ from cepe.store import (
 )
 from cepe.store_cli import tiny_model
 
-pytest.importorskip("bm25s")
-
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
@@ -192,6 +190,7 @@ def test_leftover_of_a_killed_writer_is_removed(tiny, tmp_path):
 
 
 def test_over_budget_selects_chunks_by_retrieval(tiny, tmp_path):
+    pytest.importorskip("bm25s")
     model, tok = tiny
     filler = "lorem ipsum dolor sit amet " * 40
     text = filler + "zebra zebra zebra zebra zebra " + filler
