@@ -139,6 +139,7 @@ def server(tmp_path_factory):
     assert srv.stop() in (0, -signal.SIGTERM), srv.output()
 
 
+@pytest.mark.multiproc
 def test_contexts_crud(server):
     status, body, _ = server.request("GET", "/v1/contexts")
     assert status == 200 and [c["id"] for c in body["data"]] == [context_id(DOC)]
@@ -154,6 +155,7 @@ def test_contexts_crud(server):
     assert server.request("GET", f"/v1/contexts/{context_id(text)}")[0] == 404
 
 
+@pytest.mark.multiproc
 def test_chat_stream_equals_non_stream(server):
     cid = context_id(DOC)
     status, body, _ = server.request("POST", "/v1/chat/completions", chat([cid]))
@@ -183,6 +185,7 @@ def test_chat_stream_equals_non_stream(server):
     )
 
 
+@pytest.mark.multiproc
 def test_over_budget_reports_chunks_used(server):
     cid = context_id(DOC)
     body = server.request("POST", "/v1/chat/completions", chat([cid], context_budget=32, content="Seine"))[1]
@@ -191,6 +194,7 @@ def test_over_budget_reports_chunks_used(server):
     assert sum(b - a for a, b in info["chunks_used"][cid]) == 2
 
 
+@pytest.mark.multiproc
 def test_openai_client_unchanged(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
@@ -287,6 +291,7 @@ def test_openai_client_unchanged(server):
         ("DELETE", "/v1/contexts/" + "0" * 16, None, None, 404, "no context"),
     ],
 )
+@pytest.mark.multiproc
 def test_bad_input_gets_a_4xx_with_a_message(server, method, path, body, headers, status, message):
     got, data, _ = server.request(method, path, body, headers)
     assert got == status, data
@@ -294,6 +299,7 @@ def test_bad_input_gets_a_4xx_with_a_message(server, method, path, body, headers
     assert server.health()["status"] == "ok"
 
 
+@pytest.mark.multiproc
 def test_chunked_oversize_upload_is_refused(server):
     c = server.conn()
     c.putrequest("POST", "/v1/contexts")
@@ -309,6 +315,7 @@ def test_chunked_oversize_upload_is_refused(server):
     c.close()
 
 
+@pytest.mark.multiproc
 def test_full_queue_gets_429_and_nothing_else_fails(server):
     server.wait_idle()
     results: list[int] = []
@@ -332,6 +339,7 @@ def test_full_queue_gets_429_and_nothing_else_fails(server):
     assert server.health()["queue"]["rejected_429"] >= 1
 
 
+@pytest.mark.multiproc
 def test_client_disconnect_mid_stream_stops_generation(server):
     server.wait_idle()
     before = server.health()["queue"]["stopped"].get("client gone", 0)
@@ -354,6 +362,7 @@ def test_client_disconnect_mid_stream_stops_generation(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.multiproc
 def test_corrupted_store_file_is_refused_and_server_lives(server, tmp_path):
     text = "A document that will be damaged on disk."
     status, body, _ = server.request("POST", "/v1/contexts", text, {"Content-Type": "text/plain"})
@@ -368,6 +377,7 @@ def test_corrupted_store_file_is_refused_and_server_lives(server, tmp_path):
     assert server.health()["status"] == "ok"
 
 
+@pytest.mark.multiproc
 def test_token_graceful_shutdown_and_host_guard(tmp_path, capsys):
     rc = cli_main(["serve", "--model", "tiny", "--store", str(tmp_path / "s"), "--host", "0.0.0.0"])
     assert rc == 2 and "CEPE_API_KEY" in capsys.readouterr().err  # refused before loading anything

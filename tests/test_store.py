@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -177,10 +176,9 @@ def test_leftover_of_a_killed_writer_is_removed(tiny, tmp_path):
     model, tok = tiny
     store = ContextStore(tmp_path / "s", model, tok)
     store.add_text(TEXT)
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    pid = int(dead.stdout)
+    dead = subprocess.Popen(["true"])  # a process that has ended: its pid names no running writer
+    dead.wait()
+    pid = dead.pid
     left = store.tmp_dir / f".tmp-{pid}-abc.safetensors"
     left.write_bytes(b"half a file")
     live = store.tmp_dir / f".tmp-{os.getppid()}-abc.safetensors"  # a running writer's file stays
