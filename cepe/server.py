@@ -447,6 +447,7 @@ def create_app(service: CepeService, api_key: str | None = None):
 
     app = FastAPI(title="cepe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(BodyLimit, limit=limits.max_upload_bytes)
 
     def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
         return {"error": {"message": message, "type": kind, "code": status}}
@@ -740,6 +741,41 @@ def _store_call(fn, cid: str):
         raise ServiceError(404, str(err), "not_found_error") from err
     except CorruptContext as err:
         raise ServiceError(500, str(err), "server_error") from err
+
+
+class BodyLimit:
+    """ASGI middleware: no request body may exceed ``limit`` bytes (413), whether its length is declared
+    or it arrives chunked; bodies are counted as they are received, never buffered here."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            from fastapi.responses import JSONResponse
+
+            message = f"request body of {int(declared)} bytes exceeds the limit of {self.limit} bytes"
+            body = {"error": {"message": message, "type": "invalid_request_error", "code": 413}}
+            await JSONResponse(body, 413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # an HTTPException passes through FastAPI's body parsing as it is
+                    from starlette.exceptions import HTTPException
+
+                    raise HTTPException(413, f"request body exceeds the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _parse_upload(body: bytes, content_type: str) -> tuple[str, str | None]:

@@ -134,7 +134,17 @@ def server(tmp_path_factory):
         cli_main(["context", "add", str(root / "doc.txt"), "--store", str(root / "store"), "--model", "tiny"])
         == 0
     )
-    srv = Server(root / "store", "--max-queue", "1", "--max-upload-bytes", "4096", "--max-new-tokens", "400")
+    srv = Server(
+        root / "store",
+        "--max-queue",
+        "1",
+        "--max-upload-bytes",
+        "4096",
+        "--max-new-tokens",
+        "400",
+        "--max-prompt-tokens",
+        "1000",
+    )
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM), srv.output()
 
@@ -268,7 +278,7 @@ def test_openai_client_unchanged(server):
         (
             "POST",
             "/v1/chat/completions",
-            chat(content="x" * 5000),
+            chat(content="x" * 2000),  # 2000 byte tokens > --max-prompt-tokens 1000, body < 4096 bytes
             None,
             400,
             "more than this server's limit",
@@ -296,6 +306,28 @@ def test_bad_input_gets_a_4xx_with_a_message(server, method, path, body, headers
     got, data, _ = server.request(method, path, body, headers)
     assert got == status, data
     assert isinstance(data, dict) and message in data["error"]["message"]
+    assert server.health()["status"] == "ok"
+
+
+@pytest.mark.multiproc
+def test_oversize_body_on_any_route_is_refused(server):
+    big = json.dumps(chat(content="x" * 5000))  # over the server's 4096-byte body limit
+    status, data, _ = server.request(
+        "POST", "/v1/chat/completions", big, {"Content-Type": "application/json"}
+    )
+    assert status == 413 and "exceeds the limit" in data["error"]["message"]
+    c = server.conn()
+    c.putrequest("POST", "/v1/chat/completions")
+    c.putheader("Content-Type", "application/json")
+    c.putheader("Transfer-Encoding", "chunked")
+    c.endheaders()
+    with contextlib.suppress(OSError):
+        for _ in range(10):
+            c.send(b"400\r\n" + b" " * 1024 + b"\r\n")
+        c.send(b"0\r\n\r\n")
+    r = c.getresponse()
+    assert r.status == 413 and "exceeds the limit" in r.read().decode()
+    c.close()
     assert server.health()["status"] == "ok"
 
 
