@@ -17,6 +17,9 @@ _COMMAND_MODULES = (
     "cepe.eval.cli",
     "cepe.bench",
     "cepe.main_job",
+    "cepe.store_cli",
+    "cepe.server",
+    "cepe.bench.store_ttft",
 )
 
 

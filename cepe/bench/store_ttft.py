@@ -1,0 +1,278 @@
+"""``cepe bench-store``: time to first token over a stored context, against re-encoding it and against
+full-context prefill, and the store's bytes per token against full-context K/V bytes.
+
+For each context length T (random token ids: costs do not depend on the values), one run measures, in
+this order and in one process:
+
+- ``reencode``: chunk the T ids, encode them (``encode_context``), prefill the question with
+  cross-attention to Φ and produce the first answer token (tokenizing the text is not counted, which
+  favours re-encoding).
+- the store write of that Φ (not part of any time to first token).
+- ``stored_cold``: a freshly opened :class:`cepe.store.ContextStore` maps the file, checks its SHA-256,
+  casts Φ to the model dtype, prefills the question and produces the first token.
+- ``stored_warm``: the same again on the open store (hash already checked; file pages cached).
+- ``full`` (only for T ≤ ``full_max_tokens``): the decoder reads the T tokens and the question
+  (chunked prefill into its K/V cache) and produces the first token.
+
+Ratios are taken within the run. Bytes per token: the stored file size over T, Φ alone
+(``D_enc`` × dtype bytes) and full-context K/V (2 × layers × KV heads × head dim × dtype bytes).
+Shape legend: T context tokens, S encoder positions, D = D_enc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..chunking import chunk_ids
+
+QUESTION = "What is the main point of the document above? Answer in one sentence."
+
+
+@dataclass
+class StoreBenchConfig:
+    """One ``cepe bench-store`` run.
+
+    Attributes:
+        model: CEPE adapter directory (or ``"tiny"``).
+        lengths: context lengths T.
+        full_max_tokens: longest T for which full-context prefill is run.
+        full_chunk: tokens per call of the chunked full-context prefill.
+        store_dtype: dtype of the stored Φ.
+        cache: cross-attention cache mode while producing the first token (``"states"``: K/V projected per
+            layer and dropped; same first-token cost as ``"kv"`` without keeping 30 layers of K/V).
+        threads: torch threads (0: torch's default).
+        seed: seed of the random ids.
+    """
+
+    model: str = "adapters/smollm2-135m-cepe"
+    lengths: list[int] = field(default_factory=lambda: [32768, 131072])
+    full_max_tokens: int = 8192
+    full_chunk: int = 2048
+    store_dtype: str = "bf16"
+    cache: str = "states"
+    threads: int = 0
+    seed: int = 0
+
+
+def _first_token_cepe(model, prompt: torch.Tensor, cache: str, **enc) -> int:
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=1,
+        do_sample=False,
+        cross_attention_cache=cache,
+        **enc,
+    )
+    return int(out[0, -1])
+
+
+@torch.no_grad()
+def _first_token_full(model, ids: torch.Tensor, prompt: torch.Tensor, chunk: int) -> int:
+    from transformers import DynamicCache
+
+    x = torch.cat([ids[None], prompt], dim=1)  # (1, T + prompt)
+    cache = DynamicCache()
+    logits = None
+    with model.use_context(None):
+        for s in range(0, x.shape[1], chunk):
+            part = x[:, s : s + chunk]
+            out = model.decoder(input_ids=part, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits
+    return int(logits[0, -1].argmax())
+
+
+def kv_bytes_per_token(decoder_config, dtype_bytes: int) -> int:
+    """Full-context K/V bytes per token: 2 × layers × KV heads × head dim × bytes."""
+    c = decoder_config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * dtype_bytes
+
+
+def _log(*parts: Any) -> None:
+    print(*parts, flush=True)  # a run stopped from outside keeps what it measured in its log
+
+
+@torch.no_grad()
+def run_store_bench(
+    cfg: StoreBenchConfig, out_dir: str | os.PathLike[str] | None = None, log=_log
+) -> dict[str, Any]:
+    """Measure every length of ``cfg`` (see the module docstring).
+
+    Returns:
+        ``{"config", "machine", "rows", "bytes"}``; also written to ``out_dir/bench_store.{json,md}``.
+    """
+    from ..store import STORE_DTYPES, ContextStore, prompt_ids
+    from ..store_cli import load_model_and_tokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    model, tok = load_model_and_tokenizer(cfg.model)
+    log(
+        f"model {cfg.model} loaded in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}"
+    )
+    vocab = int(model.decoder.config.vocab_size)
+    length = int(model.cepe_config.chunk_length)
+    prompt = torch.tensor([prompt_ids(tok, [{"role": "user", "content": QUESTION}])])
+    g = torch.Generator().manual_seed(cfg.seed)
+    dtype_bytes = torch.tensor([], dtype=STORE_DTYPES[cfg.store_dtype]).element_size()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cepe-bench-store-") as tmp:
+        store = ContextStore(Path(tmp) / "store", model, tok, dtype=cfg.store_dtype)
+        # warm-up: first calls allocate and pick kernels
+        warm_ids = torch.randint(0, vocab, (4 * length,), generator=g)
+        c, m = chunk_ids(warm_ids, length)
+        s, k = model.encode_context(c[None], m[None])
+        _first_token_cepe(model, prompt, cfg.cache, encoder_hidden_states=s, encoder_attention_mask=k)
+        for n in cfg.lengths:
+            ids = torch.randint(0, vocab, (n,), generator=g)
+            row: dict[str, Any] = {"tokens": n, "load_avg_start": os.getloadavg()[0]}
+            t = time.perf_counter()
+            chunks, mask = chunk_ids(ids, length)
+            states, key_mask = model.encode_context(chunks[None], mask[None])
+            row["encode_s"] = time.perf_counter() - t
+            tok_re = _first_token_cepe(
+                model, prompt, cfg.cache, encoder_hidden_states=states, encoder_attention_mask=key_mask
+            )
+            row["ttft_reencode_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            cid, _ = store.add_token_ids(ids.tolist(), name=f"random-{n}", encoded=(states, key_mask))
+            row["store_write_s"] = time.perf_counter() - t
+            row["file_bytes"] = store.show(cid)["file_bytes"]
+            del states, key_mask
+            fresh = ContextStore(store.path, model, tok)
+            t = time.perf_counter()
+            ctx = fresh.context([cid])
+            tok_cold = _first_token_cepe(model, prompt, cfg.cache, **ctx.encoder_kwargs())
+            row["ttft_stored_cold_s"] = time.perf_counter() - t
+            row["stored_load_s"] = ctx.timings["load_s"] + ctx.timings["gather_s"]
+            del ctx
+            t = time.perf_counter()
+            ctx = fresh.context([cid])
+            tok_warm = _first_token_cepe(model, prompt, cfg.cache, **ctx.encoder_kwargs())
+            row["ttft_stored_warm_s"] = time.perf_counter() - t
+            del ctx
+            row["first_token_same"] = tok_re == tok_cold == tok_warm
+            log(
+                f"T={n}: ttft stored {row['ttft_stored_cold_s']:.2f} s (warm {row['ttft_stored_warm_s']:.2f}), "
+                f"re-encode {row['ttft_reencode_s']:.2f} s (encode {row['encode_s']:.2f})"
+            )
+            if n <= cfg.full_max_tokens:
+                log(f"T={n}: full-context prefill ...")
+                t = time.perf_counter()
+                _first_token_full(model, ids, prompt, cfg.full_chunk)
+                row["ttft_full_s"] = time.perf_counter() - t
+            else:
+                row["ttft_full_s"] = None
+                row["full_skipped"] = f"T > full_max_tokens ({cfg.full_max_tokens})"
+            row["reencode_over_stored"] = row["ttft_reencode_s"] / row["ttft_stored_cold_s"]
+            if row["ttft_full_s"] is not None:
+                row["full_over_stored"] = row["ttft_full_s"] / row["ttft_stored_cold_s"]
+            row["load_avg_end"] = os.getloadavg()[0]
+            rows.append(row)
+            if row["ttft_full_s"] is not None:
+                log(f"T={n}: full {row['ttft_full_s']:.2f} s")
+            store.remove(cid)
+    kv = kv_bytes_per_token(model.decoder.config, dtype_bytes)
+    phi = int(model.cepe_config.encoder.hidden_size) * dtype_bytes
+    result = {
+        "config": asdict(cfg),
+        "question_tokens": int(prompt.shape[1]),
+        "machine": f"{platform.machine()} cpu x{os.cpu_count()}, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, model dtype {str(model.dtype).removeprefix('torch.')}",
+        "rows": rows,
+        "bytes": {
+            "store_dtype": cfg.store_dtype,
+            "phi_bytes_per_token": phi,
+            "full_kv_bytes_per_token": kv,
+            "phi_over_kv": phi / kv,
+            "file_bytes_per_token": {str(r["tokens"]): r["file_bytes"] / r["tokens"] for r in rows},
+            "file_over_kv": {str(r["tokens"]): r["file_bytes"] / r["tokens"] / kv for r in rows},
+        },
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
+        _write_atomic(out / "bench_store.md", format_markdown(result))
+    return result
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """The result as a markdown table (the README's figures)."""
+    b = result["bytes"]
+    lines = [
+        f"# cepe bench-store ({result['machine']})",
+        "",
+        f"Question: {result['question_tokens']} tokens; cross-attention cache while producing the first token: "
+        f"`{result['config']['cache']}`; store dtype {b['store_dtype']}.",
+        "",
+        "| context tokens | TTFT stored (cold) | stored (warm) | re-encode | full prefill | re-encode / stored | full / stored | same first token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        full = f"{r['ttft_full_s']:.2f} s" if r["ttft_full_s"] is not None else "not run"
+        ratio = f"{r['full_over_stored']:.1f}x" if "full_over_stored" in r else "-"
+        lines.append(
+            f"| {r['tokens']} | {r['ttft_stored_cold_s']:.2f} s | {r['ttft_stored_warm_s']:.2f} s | "
+            f"{r['ttft_reencode_s']:.2f} s (encode {r['encode_s']:.2f}) | {full} | "
+            f"{r['reencode_over_stored']:.1f}x | {ratio} | {r['first_token_same']} |"
+        )
+    lines += [
+        "",
+        f"Bytes per context token: Φ {b['phi_bytes_per_token']} B, full-context K/V {b['full_kv_bytes_per_token']} B "
+        f"(ratio {b['phi_over_kv']:.4f}); stored file (Φ + key mask + token id + header): "
+        + ", ".join(f"{k} tokens {v:.1f} B" for k, v in b["file_bytes_per_token"].items())
+        + " ("
+        + ", ".join(f"{v:.4f}" for v in b["file_over_kv"].values())
+        + " of K/V).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    cfg = StoreBenchConfig(
+        model=args.model,
+        lengths=args.lengths,
+        full_max_tokens=args.full_max_tokens,
+        store_dtype=args.store_dtype,
+        cache=args.cache,
+        threads=args.threads,
+    )
+    res = run_store_bench(cfg, args.out)
+    print(format_markdown(res))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench-store`` to the ``cepe`` command."""
+    d = StoreBenchConfig()
+    p = sub.add_parser(
+        "bench-store", help="time to first token: stored context vs re-encoding vs full prefill"
+    )
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--lengths", type=int, nargs="+", default=d.lengths)
+    p.add_argument("--full-max-tokens", type=int, default=d.full_max_tokens)
+    p.add_argument("--store-dtype", choices=["bf16", "fp32", "fp16"], default=d.store_dtype)
+    p.add_argument("--cache", choices=["kv", "states", "absorbed"], default=d.cache)
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--out", default="runs/bench-store")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,42 @@
+"""``cepe bench-store`` on the tiny model: every measurement present, first tokens agree, byte counts."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from cepe.bench.store_ttft import StoreBenchConfig, _first_token_full, kv_bytes_per_token, run_store_bench
+from cepe.store_cli import tiny_model
+
+
+def test_chunked_full_prefill_matches_one_call_generate():
+    model, _ = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (300,), generator=g)
+    prompt = torch.randint(0, 256, (1, 7), generator=g)
+    x = torch.cat([ids[None], prompt], 1)
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False)
+    assert _first_token_full(model, ids, prompt, chunk=64) == int(ref[0, -1])
+
+
+def test_bench_store_tiny(tmp_path):
+    cfg = StoreBenchConfig(
+        model="tiny", lengths=[256, 1024], full_max_tokens=256, store_dtype="fp32", threads=1
+    )
+    res = run_store_bench(cfg, tmp_path, log=lambda *a: None)
+    short, long = res["rows"]
+    for row in (short, long):
+        assert row["first_token_same"]  # fp32 store: exactly the re-encoded states
+        for key in ("ttft_stored_cold_s", "ttft_stored_warm_s", "ttft_reencode_s", "encode_s"):
+            assert row[key] > 0
+    assert short["ttft_full_s"] > 0 and long["ttft_full_s"] is None and "full_skipped" in long
+    b = res["bytes"]
+    model, _ = tiny_model()
+    assert b["full_kv_bytes_per_token"] == kv_bytes_per_token(model.decoder.config, 4) == 2 * 2 * 2 * 8 * 4
+    assert b["phi_bytes_per_token"] == 16 * 4
+    # file: Φ + key mask (1 B) + token id (4 B) per token, plus a header that matters less as T grows
+    assert 16 * 4 + 5 < b["file_bytes_per_token"]["1024"] < b["file_bytes_per_token"]["256"]
+    saved = json.loads((tmp_path / "bench_store.json").read_text())
+    assert saved["rows"][0]["tokens"] == 256
+    assert "| 1024 |" in (tmp_path / "bench_store.md").read_text()

