@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .layers import ATTENTION_KERNELS, RMSNorm
+from .layers import ATTENTION_KERNELS, RMSNorm, norm_scale
 
 
 @dataclass
@@ -142,6 +142,7 @@ class CrossAttention(nn.Module):
         eps: float,
         layer_idx: int,
         gated: bool = False,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -158,22 +159,31 @@ class CrossAttention(nn.Module):
         # scaled by tanh(gate[h]) before o_proj, zero at init, so copied heads that already help can
         # turn on one by one.
         self.gate = nn.Parameter(torch.zeros(num_heads)) if gated else None
+        # Decoders whose self-attention normalises every query and key head (Qwen 3, Gemma 3) get the
+        # same per-head norms here (copied at init), so copied q/k live on the scale their weights expect.
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
     def project_kv(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Φ ``(B, S, D_enc)`` -> K, V ``(B, KV, S, hd)``."""
         b, s, _ = states.shape
-        k = self.k_proj(states).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
+        k = self.k_proj(states).view(b, s, self.num_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         v = self.v_proj(states).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
-        return k, v
+        return k.transpose(1, 2), v
 
     def forward(self, hidden: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
         """``hidden`` ``(B, T, D_dec)`` (residual stream after self-attention) -> update ``(B, T, D_dec)``."""
         b, t, _ = hidden.shape
-        q = self.q_proj(self.layernorm(hidden)).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(self.layernorm(hidden)).view(b, t, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = q.transpose(1, 2)  # (B, H, T, hd)
         if ctx.q_scale is not None:
             q = q * ctx.q_scale.to(q.dtype)  # scales every score of that example
         key_mask = ctx.key_mask
-        if ctx.mode == "absorbed":
+        if ctx.mode == "absorbed" and self.k_norm is None:
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:
             if ctx.mode == "kv" and not torch.is_grad_enabled():
@@ -185,7 +195,8 @@ class CrossAttention(nn.Module):
                     k, v = self.project_kv(ctx.states.to(q.dtype))
                     ctx.kv[self.layer_idx] = (k.contiguous(), v.contiguous())
                 k, v = ctx.kv[self.layer_idx]
-            else:  # "states" (or "kv" under autograd): re-project at every call
+            else:  # "states" (or "kv" under autograd; "absorbed" with per-head key norms, which cannot be
+                # folded into the query): re-project at every call
                 k, v = self.project_kv(ctx.states.to(q.dtype))
             if ctx.align is not None and ctx.align.wants(self.layer_idx):
                 ctx.align.losses.append(align_nll(q, k, key_mask, self.scale, ctx.align))
@@ -252,3 +263,9 @@ class CrossAttention(nn.Module):
             self.o_proj.weight.copy_(self_attn.o_proj.weight)
         if self.gate is not None:
             self.gate.zero_()
+        for name in ("q_norm", "k_norm"):
+            mine, theirs = getattr(self, name), getattr(self_attn, name, None)
+            if mine is not None:
+                if theirs is None:
+                    raise ValueError(f"cross-attention has {name} but the layer's self-attention has none")
+                mine.weight.copy_(norm_scale(theirs))

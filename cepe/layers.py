@@ -26,6 +26,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def norm_scale(norm: nn.Module) -> torch.Tensor:
+    """The multiplicative weight of a decoder RMSNorm: ``weight``, or ``1 + weight`` for the Gemma
+    families, whose norms store the offset from one."""
+    w = norm.weight
+    return 1.0 + w if type(norm).__name__.startswith("Gemma") else w
+
+
 def rope_cos_sin(
     length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:

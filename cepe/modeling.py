@@ -25,8 +25,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import CACHE_MODES, CepeConfig, default_encoder_config
 from .cross_attention import CrossContext
 from .encoder import ContextEncoder
+from .layers import norm_scale
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
-from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of, norm_scale
+from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "cepe_config.json"

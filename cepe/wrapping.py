@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .cross_attention import CrossAttention, CrossContext
@@ -80,13 +79,6 @@ def family_of(decoder: nn.Module) -> DecoderFamily:
         "look like Llama's (input_layernorm -> self_attn -> residual add -> MLP), call "
         "cepe.wrapping.register_family(model_type, DecoderFamily()) first."
     )
-
-
-def norm_scale(norm: nn.Module) -> torch.Tensor:
-    """The multiplicative weight of a decoder RMSNorm: ``weight``, or ``1 + weight`` for the Gemma
-    families, whose norms store the offset from one."""
-    w = norm.weight
-    return 1.0 + w if type(norm).__name__.startswith("Gemma") else w
 
 
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
@@ -151,7 +143,15 @@ def attach_cross_attention(
         if hasattr(layer, "cross_attn"):
             raise ValueError(f"decoder layer {i} already has cross-attention; wrap a fresh decoder")
         cross = CrossAttention(
-            cfg.hidden_size, encoder_hidden, num_heads, num_kv, head_dim, eps, layer_idx=i, gated=gated
+            cfg.hidden_size,
+            encoder_hidden,
+            num_heads,
+            num_kv,
+            head_dim,
+            eps,
+            layer_idx=i,
+            gated=gated,
+            qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())
         cross.to(device=p.device, dtype=p.dtype)

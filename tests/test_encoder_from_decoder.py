@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_decoder
 
-from cepe import CepeConfig, CepeForCausalLM
+from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
 from cepe.config import encoder_config_from_decoder
 from cepe.layers import RMSNorm
 from cepe.wrapping import decoder_layers
@@ -134,3 +134,38 @@ def test_encoder_from_unsupported_family_is_refused():
         encoder_config_from_decoder(dec.config)
     with pytest.raises(ValueError, match="encoder layers"):
         encoder_config_from_decoder(tiny_decoder().config, num_layers=9)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_cross_attention_carries_per_head_qk_norms(family):
+    """Qwen 3 / Gemma 3 normalise every query and key head: cross-attention does the same, with the
+    self-attention's norms copied, so on the same input its keys are the layer's pre-RoPE keys."""
+    dec = tiny_decoder(family)
+    with torch.no_grad():
+        for layer in decoder_layers(dec):
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    from conftest import randomize_cross
+
+    enc = EncoderConfig(vocab_size=97, hidden_size=64, num_attention_heads=4)
+    model = CepeForCausalLM.from_decoder(dec, CepeConfig(encoder=enc, chunk_length=8, init_mode="copy"))
+    layer = decoder_layers(model.decoder)[0]
+    cross = layer.cross_attn
+    assert cross.k_norm is not None and cross.q_norm is not None
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        k_cross, _ = cross.project_kv(x)
+        k_self = layer.self_attn.k_norm(layer.self_attn.k_proj(x).view(1, 5, 2, 16)).transpose(1, 2)
+    torch.testing.assert_close(k_cross, k_self, atol=1e-5, rtol=1e-5)
+    # "absorbed" cannot fold a per-key norm into the query: it re-projects, and gives the same logits
+    randomize_cross(model)
+    with torch.no_grad():
+        for layer in decoder_layers(model.decoder):
+            layer.cross_attn.k_norm.weight.uniform_(0.5, 1.5)
+    ids, enc_ids = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 2, 8))
+    with torch.no_grad():
+        ctx_a = model.prepare_context(enc_ids, cross_attention_cache="absorbed")
+        ctx_s = model.prepare_context(enc_ids, cross_attention_cache="states")
+        a = model(ids, cross_context=ctx_a).logits
+        s = model(ids, cross_context=ctx_s).logits
+    torch.testing.assert_close(a, s)

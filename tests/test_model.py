@@ -81,11 +81,20 @@ def _reference_layer_check(model: CepeForCausalLM, ids, enc_ids, enc_mask, gemma
 
 
 def _cross_ref(cross, h, states, key_mask):
-    """The released computation written out: norm, projections, repeat KV, fp32 softmax, o_proj."""
+    """The released computation written out: norm, projections, repeat KV, fp32 softmax, o_proj; for
+    families whose self-attention normalises each q/k head (Qwen 3, Gemma 3), the same per-head RMS norms
+    (cepe's one deliberate addition to the released layer)."""
     b, t, _ = h.shape
     hq = cross.layernorm(h)
-    q = (hq @ cross.q_proj.weight.T).view(b, t, cross.num_heads, cross.head_dim).transpose(1, 2)
-    k = (states @ cross.k_proj.weight.T).view(b, -1, cross.num_kv, cross.head_dim).transpose(1, 2)
+
+    def head_norm(x, norm):
+        if norm is None:
+            return x
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    q = head_norm((hq @ cross.q_proj.weight.T).view(b, t, cross.num_heads, cross.head_dim), cross.q_norm)
+    k = head_norm((states @ cross.k_proj.weight.T).view(b, -1, cross.num_kv, cross.head_dim), cross.k_norm)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = (states @ cross.v_proj.weight.T).view(b, -1, cross.num_kv, cross.head_dim).transpose(1, 2)
     rep = cross.num_heads // cross.num_kv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
