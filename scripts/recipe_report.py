@@ -13,6 +13,33 @@ import statistics
 import sys
 from pathlib import Path
 
+DOMAINS = ("essays", "papers", "code")
+# reference rows: (name, copy.json, method)
+REFERENCES = [
+    ("decoder alone (truncated)", "runs/recipe/copy_zero_bidir/copy/copy.json", "truncated"),
+    ("full context (passage in the window)", "runs/recipe/copy_zero_bidir/copy/copy.json", "full"),
+    ("shipped adapter (before)", "runs/recipe/shipped_copy/copy.json", "cepe"),
+]
+
+
+def copy_columns(path: Path, method: str) -> dict[str, str]:
+    """Copy-probe perplexities of ``method`` as ``essays / papers / code`` strings, natural and shuffled."""
+    if not path.is_file():
+        return {}
+    rows = json.loads(path.read_text())["rows"]
+    out = {}
+    for order in ("natural", "shuffled"):
+        vals = {
+            r["setting"]["domain"]: r["value"]
+            for r in rows
+            if r["method"] == method and r["setting"]["order"] == order
+        }
+        if vals:
+            out[f"copy ppl {order} (essays / papers / code)"] = " / ".join(
+                f"{vals[d]:.1f}" for d in DOMAINS if d in vals
+            )
+    return out
+
 
 def main(runs: Path = Path("runs/recipe"), out: Path = Path("results/recipe")) -> None:
     import matplotlib
@@ -44,12 +71,12 @@ def main(runs: Path = Path("runs/recipe"), out: Path = Path("results/recipe")) -
             "train_loss_last10": round(statistics.mean(loss[-k:]), 3),
             "train_loss_first": round(loss[0], 3),
         }
-        probe = run / "copy" / "copy.json"
-        if probe.is_file():
-            for r in json.loads(probe.read_text())["rows"]:
-                key = f"copy_ppl_{r['setting']['order']}_{r['setting']['domain']}_{r['method']}"
-                row[key] = round(r["value"], 2)
+        row.update(copy_columns(run / "copy" / "copy.json", "cepe"))
         rows.append(row)
+    for name, path, method in REFERENCES:
+        ref = copy_columns(Path(path), method)
+        if ref:
+            rows.append({"variant": name, **ref})
     ax.set_xlabel("CPU-minutes (2 cores, median step time)")
     ax.set_ylabel("training loss (shuffled copy warmup, 10-step mean)")
     ax.legend(fontsize=7)
