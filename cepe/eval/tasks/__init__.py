@@ -8,6 +8,7 @@
 | ``icl`` | :mod:`.icl` | in-context learning (§6, App. C.2) |
 | ``longdoc`` | :mod:`.longdoc` | ZeroSCROLLS-style long-document tasks (§7, App. C.3) |
 | ``needle`` | :mod:`.needle` | needle in a haystack (App. D) |
+| ``ruler`` | :mod:`.ruler` | RULER's 13 synthetic tasks (not in the paper; a standard long-context suite) |
 """
 
-TASKS = ("lm", "ralm", "qa", "icl", "longdoc", "needle")
+TASKS = ("lm", "ralm", "qa", "icl", "longdoc", "needle", "ruler")
