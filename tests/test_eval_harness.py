@@ -132,7 +132,7 @@ def test_local_tasks_and_cli(setup, tmp_path, monkeypatch):
     res = lm_eval.simple_evaluate(
         model=lm,
         tasks=["cepe_ppl", "cepe_mc"],
-        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
     )["results"]
     lls = lm.loglikelihood_rolling([_inst(d) for d in DOCS])
     nbytes = sum(len(d.encode()) for d in DOCS)
@@ -166,3 +166,5 @@ def test_bad_args(setup):
         harness.CepeLM(setup=setup, method="replug")
     with pytest.raises(ValueError, match="rolling_tokens"):
         harness.CepeLM(setup=setup, decoder_window=16, rolling_tokens=16)
+    with pytest.raises(ValueError, match="no chat template"):
+        _lm(setup).apply_chat_template([{"role": "user", "content": "hi"}])

@@ -71,7 +71,8 @@ def builder(setup):
 def test_examples_fit_and_hold_their_answers(builder, task):
     total = 1800
     ex = builder.build(task, total, 0)
-    budget = total - builder.cfg.gen_tokens(task)
+    budget = builder.cfg.budget(task, total)  # RULER's: total - its tokens_to_generate
+    assert budget == total - ruler.GEN_TOKENS[task.split("_")[0]]
     assert 0.8 * budget <= ex.num_tokens <= budget  # filled up to the budget, never over
     flat = ex.header + [t for u in ex.units for t in u] + ex.question
     assert builder.setup.decode(flat) == ex.text  # the units are the prompt's tokens
@@ -121,6 +122,7 @@ def test_metrics():
     assert ruler.string_match_part("it is Leeds", ["leeds", "york"]) == 1.0
     assert ruler.string_match_part("no idea", ["leeds"]) == 0.0
     assert ruler.postprocess("  a\tb\x01c ") == "a\nb\nc"
+    assert ruler.cut_at("1234.\n\nMore 5678", ["\n\n"]) == "1234." and ruler.cut_at("x", []) == "x"
     ex = ruler.Example([], [], [], ["ABCDE", "FGHIJ"])
     assert ruler.score(" abcde, fghij", ex) == 1.0 and ruler.score("ABCDE", ex) == 0.5
 

@@ -138,6 +138,19 @@ class CepeLM(LM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.setup.tokenizer, "name_or_path", "cepe")).replace("/", "__")
 
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The tokenizer's chat template as text (``--apply_chat_template``)."""
+        tok = self.setup.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(
+                "cepe harness model: the tokenizer has no chat template; drop --apply_chat_template"
+            )
+        return tok.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
     def _request(self, ids: list[int], num_targets: int, window: int) -> Request:
         w = max(window, num_targets + 1)
         return window_request(self.method_name, ids, min(w, len(ids)), num_targets, self.chunk_length)

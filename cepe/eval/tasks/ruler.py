@@ -68,7 +68,7 @@ from cepe.eval.common import (
     split_sentences,
     wrap_prompt,
 )
-from cepe.eval.methods import Request
+from cepe.eval.methods import DecoderMethod, Request
 
 TASK_NAMES = (
     "niah_single_1",
@@ -163,6 +163,8 @@ class Config:
         replug_max_pieces: REPLUG uses only the nearest this-many pieces (None = all).
         max_new_tokens: per-task generation caps (keys ``niah, vt, cwe, fwe, qa``); the default is
             RULER's; lower values trade fidelity for speed (the prompt budget stays RULER's).
+        stop: strings that end a prediction (RULER: none); the prediction is cut at the first one for
+            every method, and decoder-only / CEPE generation also stops there early (a speed-up only).
         essays: essay haystack source; words: source of the key / CWE vocabulary;
         qa_source: passages for the QA tasks; qa_passage_words: words per passage.
         chat_template: wrap the prompt in the tokenizer's chat template (``auto``: when it has one).
@@ -177,6 +179,7 @@ class Config:
     replug_piece_length: int | None = None
     replug_max_pieces: int | None = None
     max_new_tokens: dict[str, int] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
     essays: dict[str, Any] = field(default_factory=lambda: {"corpus": "essays"})
     words: dict[str, Any] | None = None
     qa_source: dict[str, Any] = field(default_factory=lambda: {"corpus": "bbc"})
@@ -195,8 +198,13 @@ class Config:
         return tasks
 
     def gen_tokens(self, task: str) -> int:
+        """Tokens generated for ``task`` (the cap, else RULER's)."""
         family = task.split("_")[0]
         return int(self.max_new_tokens.get(family, GEN_TOKENS[family]))
+
+    def budget(self, task: str, total: int) -> int:
+        """Prompt tokens for ``task`` at length ``total``: RULER's ``total - tokens_to_generate``."""
+        return total - GEN_TOKENS[task.split("_")[0]]
 
 
 @dataclass
@@ -348,7 +356,7 @@ class Builder:
         if best.num_tokens > budget:
             raise ValueError(
                 f"ruler: a prompt with the smallest haystack already has {best.num_tokens} tokens, more than "
-                f"the {budget} allowed; raise the length (totals) or lower max_new_tokens"
+                f"the {budget} allowed; raise the length (totals)"
             )
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -361,7 +369,7 @@ class Builder:
 
     # tasks ------------------------------------------------------------------------------------------
     def build(self, task: str, total: int, index: int) -> Example:
-        budget = total - self.cfg.gen_tokens(task)
+        budget = self.cfg.budget(task, total)
         seed = f"{self.cfg.seed}/{task}/{total}/{index}"
         if task in NIAH:
             return self._niah(task, budget, seed)
@@ -469,7 +477,7 @@ class Builder:
 
     def _cwe(self, task: str, budget: int, seed: str, num_cw: int = 10) -> Example:
         vocab = self.vocab()
-        total = budget + self.cfg.gen_tokens(task)
+        total = budget + GEN_TOKENS["cwe"]
         # RULER: below 4K tokens common words repeat 6x (example 3x), else 30x (example 10x)
         small = total < 4096
         ex_words, ex_cr, ex_ur = (20, 3, 1) if small else (40, 10, 3)
@@ -501,7 +509,7 @@ class Builder:
         return self.fit(make, num_cw + 1, len(vocab), budget)
 
     def _fwe(self, task: str, budget: int, seed: str, alpha: float = 2.0, wordlen: int = 6) -> Example:
-        total = budget + self.cfg.gen_tokens(task)
+        total = budget + GEN_TOKENS["fwe"]
         size = max(8, total // 50)  # RULER: vocab_size = max_seq_length // 50
         rng = random.Random(seed)
         vocab: list[str] = []
@@ -569,6 +577,14 @@ def zeta(alpha: float, terms: int = 10000) -> float:
 # ---------------------------------------------------------------------------------------------- running
 
 
+def cut_at(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to the first occurrence of any of ``stops``."""
+    for s in stops:
+        if s and s in text:
+            text = text[: text.index(s)]
+    return text
+
+
 def split_context(units: list[list[int]], window: int) -> tuple[list[list[int]], list[int]]:
     """``(head_units, tail_ids)``: whole units from the end up to ``window`` tokens stay in the decoder."""
     n, cut = 0, len(units)
@@ -601,6 +617,9 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     tasks = cfg.task_list()
     n = cfg.samples if setup.limit is None else min(cfg.samples, setup.limit)
     builder = Builder(setup, cfg)
+    stop_kwargs: dict[str, Any] = {}
+    if cfg.stop and hasattr(setup.tokenizer, "get_vocab"):  # HF tokenizers: stop generating early
+        stop_kwargs = {"stop_strings": list(cfg.stop), "tokenizer": setup.tokenizer}
     data = {(t, total): [builder.build(t, total, i) for i in range(n)] for t in tasks for total in cfg.totals}
     rows: list[dict[str, Any]] = []
     for method in setup.methods:
@@ -611,7 +630,8 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                 def go(m, ex, _task=task, _method=method):
                     req = make_request(_method, ex, cfg)
                     req.max_new_tokens = cfg.gen_tokens(_task)
-                    return score(setup.decode(m.generate(req)), ex), req.num_tokens
+                    early = stop_kwargs if isinstance(m, DecoderMethod) else {}
+                    return score(cut_at(setup.decode(m.generate(req, **early)), cfg.stop), ex), req.num_tokens
 
                 vals, cost = run_examples(setup, method, data[(task, total)], go, f"ruler {task} T={total}")
                 acc = 100.0 * sum(vals) / max(1, len(vals))  # type: ignore[arg-type]
