@@ -25,7 +25,7 @@ Metric: ``string_match_all`` (the fraction of reference strings found, case-inse
 prediction) for every task but QA, ``string_match_part`` (any reference found) for QA; reported as
 accuracy in percent per task and length, plus the mean over tasks.
 
-Differences from RULER, all forced by running offline:
+Differences from RULER (the first four because nothing can be downloaded here):
 
 - needle keys are two words ``"word-word"`` from the vocabulary of the bundled essays instead of
   adjective-noun pairs from the ``wonderwords`` lists; CWE draws its words from the same vocabulary;
@@ -35,8 +35,12 @@ Differences from RULER, all forced by running offline:
   bundled corpus (default BBC News) and asks for it, ``qa_2`` plants two facts in two passages joined by a
   bridge entity (``X is the <role> of <org>`` and ``the <attr> of X is <value>``); the other passages are
   the distractors, in RULER's document format and prompt;
-- lengths are filled by a binary search over haystack units, counting the prompt, the chat template and
-  the generation budget, as RULER does (the prompt is at most ``total`` tokens including generation).
+- the variable-tracking one-shot example has 5 noise paragraphs (RULER fills it to about 500 tokens);
+- ``stop`` strings and ``max_new_tokens`` caps (RULER: none, and its generation lengths) are options for
+  slow machines; the prompt budget is always RULER's.
+
+As in RULER, lengths are filled by a search over the number of haystack units, counting the prompt, the
+chat template and RULER's generation budget (prompt + ``tokens_to_generate`` <= ``total``).
 
 How the methods read a prompt (the same token ids for every method): the prompt is ``header`` (chat
 template start, task instruction and any one-shot example) + ``context`` (the haystack units) +
