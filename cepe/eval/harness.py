@@ -314,12 +314,14 @@ def write_bundled_tasks(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m cepe.eval.harness [lm_eval args]``: the ``lm_eval`` command line with ``cepe``
-    registered; ``python -m cepe.eval.harness write-tasks DIR`` writes the bundled local tasks."""
+    registered; ``python -m cepe.eval.harness write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]`` writes the
+    bundled local tasks (:func:`write_bundled_tasks`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["write-tasks"]:
-        if len(argv) != 2:
-            raise SystemExit("usage: python -m cepe.eval.harness write-tasks DIR")
-        print(json.dumps(write_bundled_tasks(argv[1]), indent=2))
+        if len(argv) not in (2, 5):
+            raise SystemExit("usage: python -m cepe.eval.harness write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]")
+        sizes = [int(x) for x in argv[2:]]
+        print(json.dumps(write_bundled_tasks(argv[1], *sizes), indent=2))
         return
     from lm_eval.__main__ import cli_evaluate
 
