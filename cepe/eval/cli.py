@@ -173,7 +173,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``cepe eval`` to the ``cepe`` command."""
-    p = subparsers.add_parser("eval", help="run an evaluation task (lm, ralm, qa, icl, longdoc, needle)")
+    p = subparsers.add_parser(
+        "eval", help="run an evaluation task (lm, ralm, qa, icl, longdoc, needle, ruler)"
+    )
     p.add_argument("task", choices=TASKS)
     p.add_argument(
         "--model", default="default", help="CEPE adapter dir, decoder dir / hub id, 'default' or 'tiny'"

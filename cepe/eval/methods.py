@@ -180,7 +180,12 @@ class DecoderMethod(Method):
 
     @torch.no_grad()
     def score(self, requests: Sequence[Request]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(requests)
+        return [lp for lp, _ in self.score_with_greedy(requests)]
+
+    @torch.no_grad()
+    def score_with_greedy(self, requests: Sequence[Request]) -> list[tuple[torch.Tensor, bool]]:
+        """Like :meth:`score`, plus whether every target token is the argmax of its prediction."""
+        out: list[tuple[torch.Tensor, bool] | None] = [None] * len(requests)
         for idx in _groups(requests, self.batch_size):
             group = [requests[i] for i in idx]
             for r in group:
@@ -192,7 +197,8 @@ class DecoderMethod(Method):
             for b, (i, r) in enumerate(zip(idx, group)):
                 n = r.num_targets
                 pred = logits[b, -(n + 1) : -1]
-                out[i] = target_logprobs(pred, ids[b, -n:]).cpu()
+                greedy = bool((pred.argmax(-1) == ids[b, -n:]).all())
+                out[i] = (target_logprobs(pred, ids[b, -n:]).cpu(), greedy)
         return out  # type: ignore[return-value]
 
     def _generate_kwargs(self, request: Request) -> dict[str, Any]:

@@ -41,6 +41,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     notes = result.get("notes")
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
+    extra = result.get("extra_markdown")
+    if extra:
+        lines += ["", extra.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -99,11 +102,48 @@ def plot_heatmap(grid: list[list[float]], xs: list[Any], ys: list[Any], path: Pa
     return path
 
 
+def plot_heatmap_panels(
+    grids: dict[str, list[list[float]]], xs: list[Any], ys: list[Any], path: Path, title: str
+) -> Path:
+    """One heat-map panel per method of ``grid[y][x]`` in [0, 1] (rows ``ys``, columns ``xs``), values
+    written in the cells; NaN cells stay blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(grids)
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(1.6 + 0.75 * len(xs) * len(names), 1.0 + 0.32 * len(ys)), squeeze=False
+    )
+    im = None
+    for k, (ax, name) in enumerate(zip(axes[0], names)):
+        grid = np.array(grids[name], dtype=float)
+        im = ax.imshow(np.ma.masked_invalid(grid), vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            if not math.isnan(v):
+                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(xs)), [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in xs])
+        ax.set_yticks(range(len(ys)), [str(y) for y in ys] if k == 0 else [""] * len(ys))
+        ax.set_xlabel("tokens")
+        ax.set_title(name, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    if im is not None:
+        fig.colorbar(im, ax=list(axes[0]), fraction=0.02)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None = None) -> dict[str, str]:
     """Write ``<task>.json``, ``<task>.md`` and (with ``x_key``) ``<task>.png`` into ``out_dir``.
 
+    A result with ``heatmaps`` (``{method: grid[row][total]}``), ``heatmap_rows`` and ``totals`` also gets
+    ``<task>_heatmap.png`` (one panel per method).
+
     Returns:
-        ``{"json": path, "markdown": path, "plot": path?}``.
+        ``{"json": path, "markdown": path, "plot": path?, "heatmap": path?}``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,6 +157,16 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
         p = plot_lines(result, x_key, out / f"{task}.png")
         if p is not None:
             paths["plot"] = str(p)
+    if result.get("heatmaps"):
+        hp = out / f"{task}_heatmap.png"
+        plot_heatmap_panels(
+            result["heatmaps"],
+            list(result["totals"]),
+            list(result["heatmap_rows"]),
+            hp,
+            f"{task}: accuracy %",
+        )
+        paths["heatmap"] = str(hp)
     for method, grid in (result.get("grids") or {}).items():
         hp = out / f"{task}_{method}.png"
         plot_heatmap(grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")

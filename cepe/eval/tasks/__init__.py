@@ -10,6 +10,7 @@
 | ``needle`` | :mod:`.needle` | needle in a haystack (App. D) |
 | ``copy`` | :mod:`.copy` | copy probe: a passage in the encoder, continued by the decoder |
 | ``fixedppl`` | :mod:`.fixedppl` | perplexity of fixed targets against context length |
+| ``ruler`` | :mod:`.ruler` | RULER's 13 synthetic tasks (not in the paper; a standard long-context suite) |
 """
 
-TASKS = ("lm", "ralm", "qa", "icl", "longdoc", "needle", "copy", "fixedppl")
+TASKS = ("lm", "ralm", "qa", "icl", "longdoc", "needle", "copy", "fixedppl", "ruler")

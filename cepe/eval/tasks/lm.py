@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cepe.eval.common import EvalSetup, chunk_tail_aligned, iter_source, limit_items, run_examples
-from cepe.eval.methods import standard_request
+from cepe.eval.methods import Request, standard_request
 
 DEFAULT_SOURCES = [
     {"name": "acl", "corpus": "acl"},
@@ -92,6 +92,28 @@ def sample_sequences(
     return out
 
 
+def window_request(
+    method: str,
+    seq: list[int],
+    window: int,
+    eval_tokens: int,
+    chunk_length: int,
+    replug_piece_length: int | None = None,
+    replug_max_pieces: int | None = None,
+) -> Request:
+    """The request scoring the last ``eval_tokens`` of ``seq`` ``(T,)``: the decoder reads the last
+    ``window`` tokens, the tokens before go to the encoder (CEPE) or are read by the decoder (full) in
+    pieces of ``chunk_length`` aligned to the window (REPLUG: ``replug_piece_length``, nearest
+    ``replug_max_pieces``). Shared by this task and the lm-evaluation-harness model."""
+    if method == "replug":
+        pieces = chunk_tail_aligned(seq[:-window], replug_piece_length or chunk_length)
+        if replug_max_pieces:
+            pieces = pieces[-replug_max_pieces:]
+    else:
+        pieces = chunk_tail_aligned(seq[:-window], chunk_length)
+    return standard_request(method, pieces, seq[-window:], eval_tokens)
+
+
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     """Evaluate every method on every (domain, total); rows hold PPL plus a macro average."""
     domains: dict[str, list[list[int]]] = {}
@@ -114,13 +136,15 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
             for method in setup.methods:
 
                 def score(m, seq, _w=window, _method=method):
-                    if _method == "replug":
-                        pieces = chunk_tail_aligned(seq[:-_w], cfg.replug_piece_length or cfg.chunk_length)
-                        if cfg.replug_max_pieces:
-                            pieces = pieces[-cfg.replug_max_pieces :]
-                    else:
-                        pieces = chunk_tail_aligned(seq[:-_w], cfg.chunk_length)
-                    req = standard_request(_method, pieces, seq[-_w:], cfg.eval_tokens)
+                    req = window_request(
+                        _method,
+                        seq,
+                        _w,
+                        cfg.eval_tokens,
+                        cfg.chunk_length,
+                        cfg.replug_piece_length,
+                        cfg.replug_max_pieces,
+                    )
                     lp = m.score([req])[0]
                     return float(-lp.sum()), req.num_tokens
 
