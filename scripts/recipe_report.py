@@ -19,6 +19,7 @@ REFERENCES = [
     ("decoder alone (truncated)", "runs/recipe/copy_zero_bidir/copy/copy.json", "truncated"),
     ("full context (passage in the window)", "runs/recipe/copy_zero_bidir/copy/copy.json", "full"),
     ("shipped adapter (before)", "runs/recipe/shipped_copy/copy.json", "cepe"),
+    ("long run, step 150", "runs/recipe/long_align_eval/copy_step_000150/copy.json", "cepe"),
 ]
 
 
@@ -56,7 +57,7 @@ def main(runs: Path = Path("runs/recipe"), out: Path = Path("results/recipe")) -
             continue
         step_s = statistics.median(r["step_s"] for r in log)
         minutes = [r["step"] * step_s / 60 for r in log]
-        loss = [r["loss"] for r in log]
+        loss = [r.get("lm", r["loss"]) for r in log]  # the LM loss alone where a run adds supervision
         k = min(10, len(loss))
         ax.plot(
             minutes,

@@ -10,7 +10,8 @@ OUT=runs/recipe/$(basename "$CFG" .yaml)
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
 resume=(); [ -d "$OUT/checkpoints" ] && resume=(--resume)
-nohup cepe train --stage warmup --config "$CFG" --output-dir "$OUT" --no-progress "${resume[@]}" \
+STAGE=$(grep -m1 "^stage:" "$CFG" | cut -d" " -f2)
+nohup cepe train --stage "$STAGE" --config "$CFG" --output-dir "$OUT" --no-progress "${resume[@]}" \
   >> "$OUT.log" 2>&1 &
 echo $! > "$OUT.pid"
 echo "started $OUT (pid $(cat "$OUT.pid")), log $OUT.log"
