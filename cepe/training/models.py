@@ -22,6 +22,7 @@ from cepe.modeling import CepeForCausalLM
 
 from .config import TrainConfig
 from .losses import topk_kl
+from .speed import HeadWeight, lm_loss
 
 ENCODER_WEIGHTS = "encoder_model.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
@@ -157,6 +158,8 @@ class StageModule(nn.Module):
         self.ce_coef, self.kl_coef = cfg.ce_coef, cfg.kl_coef
         self.kl_form, self.kl_smoothing = cfg.kl_form, cfg.kl_smoothing
         self._held = contextlib.ExitStack()
+        self.fast = not getattr(cfg, "reference_path", False)  # chunked head loss, no decoder cache
+        self._head = HeadWeight()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
 
@@ -176,6 +179,10 @@ class StageModule(nn.Module):
             )
             self._held.close()
             self._held.enter_context(m.use_context(ctx))
+            if self.stage != "ceped" and self.fast:
+                base = m.decoder.get_decoder()
+                hidden = base(input_ids=batch["input_ids"], use_cache=False).last_hidden_state  # (B, T, D)
+                return lm_loss(m, hidden, batch["labels"], self._head, True), {}
             if self.stage != "ceped":
                 out = m(batch["input_ids"], labels=batch["labels"], cross_context=ctx)
                 return out.loss, {}
