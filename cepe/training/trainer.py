@@ -91,6 +91,18 @@ def _tokens(batch: dict[str, torch.Tensor]) -> int:
     return n
 
 
+def _threads_note() -> str:
+    """``"N threads"``, with a hint when fewer threads than this process's cores compute."""
+    n = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or n
+    if n < cores:
+        return f"{n} threads on {cores} cores (set num_threads or OMP_NUM_THREADS to use them all)"
+    return f"{n} threads"
+
+
 def _print(enabled: bool, text: str) -> None:
     if enabled:
         print(text, flush=True)
@@ -222,7 +234,7 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
         main,
         f"{cfg.stage}: compute {compute_dtype}"
         + ("" if cfg.reference_path else " (fast paths)" if cfg.stage != "mlm" else "")
-        + f", {torch.get_num_threads()} threads, {world} process(es); "
+        + f", {_threads_note()}, {world} process(es); "
         f"{flops['total'] / 1e12:.3f} TFLOP per step by the cost model ({COST_MODEL})"
         + (f"; {compute_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s" if peak else ""),
     )
