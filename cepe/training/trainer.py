@@ -389,7 +389,7 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
                     }
                     with open(out / LOG_FILE, "a") as f:
                         f.write(json.dumps(record) + "\n")
-                    if not (cfg.progress and bar.disable is False):
+                    if bar.disable:  # no progress bar: one status line per logged step
                         st = status("running", done)
                         _print(True, format_status(out, st))
             # stop / time-based checkpoint: rank 0 decides for every process
@@ -419,8 +419,10 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
                 paused_s += signals.wait_while_paused()
     finally:
         signals.restore()
-        if prof is not None:
+        if prof is not None:  # the run ended before the profiled steps did
             prof.__exit__(None, None, None)
+            if main:
+                _write_profile(out, prof, cfg.steps - prof_from, cfg.stage)
         bar.close()
 
     if timed and main:
