@@ -378,3 +378,21 @@ def test_pause_resume_and_stop_by_signal(tmp_path):
         )
     )
     assert _losses(out) == _losses(straight)
+
+
+def test_status_of_a_run_without_status_file(tmp_path, capsys):
+    """Runs of the trainer before status.json existed: the status comes from the config and the log."""
+    from cepe.training.cli import show_status
+
+    cfg = _cfg("cepe", tmp_path / "old", steps=10)
+    (tmp_path / "old").mkdir()
+    cfg.save(tmp_path / "old" / "train_config.json")
+    log = [{"step": s, "loss": 5.0 - 0.1 * s, "step_s": 2.0} for s in range(1, 5)]
+    (tmp_path / "old" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    st = read_status(tmp_path / "old")
+    assert st["stage"] == "cepe" and st["step"] == 4 and st["state"] == "running (from log)"
+    assert st["decoder_tokens_seen"] == 4 * 8 * 32 and st["encoder_tokens_seen"] == 4 * 8 * 4 * 8
+    assert st["decoder_tokens_per_s"] == pytest.approx(8 * 32 / 2.0) and st["eta_s"] == pytest.approx(12.0)
+    assert st["loss_recent"] == pytest.approx(4.75)
+    assert show_status([str(tmp_path / "old")]) == 0
+    assert "ETA 0m12s" in capsys.readouterr().out

@@ -174,11 +174,50 @@ def read_status(output_dir: str | Path) -> dict[str, Any] | None:
     while it claimed to be running is reported as ``stopped``."""
     path = Path(output_dir) / STATUS_FILE
     if not path.is_file():
-        return None
+        return status_from_log(output_dir)
     st = json.loads(path.read_text())
     if st.get("state") in ("running", "paused") and st.get("pid") and not _alive(int(st["pid"])):
         st["state"] = "stopped (process gone)"
     return st
+
+
+def status_from_log(output_dir: str | Path) -> dict[str, Any] | None:
+    """A status rebuilt from ``train_config.json`` and ``log.jsonl`` alone (runs of trainers that wrote no
+    ``status.json``); the state is a guess from how recently the log was written."""
+    root = Path(output_dir)
+    cfg_file, log_file = root / "train_config.json", root / "log.jsonl"
+    if not (cfg_file.is_file() and log_file.is_file()):
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    log = [json.loads(ln) for ln in log_file.read_text().splitlines() if ln.strip()]
+    if not log:
+        return None
+    stage, b = cfg["stage"], int(cfg["batch_size"])
+    if stage == "mlm":
+        dec, enc = 0, b * int(cfg["mlm_seq_length"])
+    elif stage == "warmup":
+        dec = enc = b * int(cfg["warmup_tokens"])
+    else:
+        dec, enc = b * int(cfg["n_decoder"]), b * int(cfg["n_chunks"]) * int(cfg["chunk_length"])
+    recent = log[-10:]
+    secs = [r["step_s"] for r in recent if r.get("step_s")]
+    step_s = sum(secs) / len(secs) if secs else None
+    step, steps = int(log[-1]["step"]), int(cfg["steps"])
+    age = time.time() - log_file.stat().st_mtime
+    fresh = step_s is not None and age < max(120.0, 5 * step_s * int(cfg.get("log_every") or 1))
+    return {
+        "stage": stage,
+        "state": "done" if step >= steps else ("running (from log)" if fresh else "stopped (from log)"),
+        "step": step,
+        "steps": steps,
+        "decoder_tokens_seen": step * dec,
+        "encoder_tokens_seen": step * enc,
+        "loss_recent": sum(r["loss"] for r in recent) / len(recent),
+        "decoder_tokens_per_s": dec / step_s if step_s else None,
+        "encoder_tokens_per_s": enc / step_s if step_s else None,
+        "eta_s": (steps - step) * step_s if step_s else None,
+        "updated": log_file.stat().st_mtime,
+    }
 
 
 def format_status(output_dir: str | Path, st: dict[str, Any]) -> str:
@@ -194,7 +233,7 @@ def format_status(output_dir: str | Path, st: dict[str, Any]) -> str:
     ]
     if st.get("peak_fraction") is not None:
         parts.append(f"{100 * st['peak_fraction']:.1f}% of matmul peak")
-    if st.get("state") == "running":
+    if str(st.get("state")).startswith("running"):
         parts.append(f"ETA {_duration(st.get('eta_s'))}")
     parts.append(f"updated {_duration(age)} ago")
     return ", ".join(parts)
