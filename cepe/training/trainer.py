@@ -225,8 +225,9 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
         if main:
             from cepe.bench.runner import matmul_peak_flops
 
-            dt = torch.bfloat16 if use_bf16 else torch.float32
-            peak_box[0] = matmul_peak_flops(2048, dt, cfg.peak_seconds)
+            # the benchmark's 4096² matmul in bf16 (tens of ms); 2048² in fp32, where one 4096² takes seconds
+            size, dt = (4096, torch.bfloat16) if use_bf16 else (2048, torch.float32)
+            peak_box[0] = matmul_peak_flops(size, dt, cfg.peak_seconds)
         if world > 1:
             broadcast_object_list(peak_box, from_process=0)
         peak = peak_box[0]
