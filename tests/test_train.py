@@ -100,8 +100,8 @@ def test_decoder_weights_untouched(tmp_path):
         trainer_mod.build_model = orig
     after = {k: v for k, v in seen["model"].decoder.state_dict().items() if ".cross_attn." not in k}
     assert set(after) == set(before)
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
+    for k in before:  # in bf16 the frozen matmul weights are held in bf16: rounded once, never trained
+        assert torch.equal(before[k].to(after[k].dtype), after[k]), k
     assert all(
         not p.requires_grad for n, p in seen["model"].decoder.named_parameters() if ".cross_attn." not in n
     )

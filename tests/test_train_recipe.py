@@ -88,7 +88,11 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     import hashlib
     import json
 
+    from cepe.training.config import RUN_CONTROL_FIELDS
+
     for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
+        d.pop(key, None)
+    for key in RUN_CONTROL_FIELDS:
         d.pop(key, None)
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()

@@ -19,16 +19,39 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"output_dir={args.output_dir}")
     if args.no_progress:
         out.append("progress=false")
+    if getattr(args, "profile", None):
+        out.append(f"profile_steps={args.profile}")
     return out
 
 
 def _run_train(args: argparse.Namespace, stage: str) -> int:
     from .config import load_config
+    from .runctl import Stopped
     from .trainer import train
 
     cfg = load_config(args.config, _overrides(args), stage=stage)
-    out = train(cfg, resume=args.resume)
+    try:
+        out = train(cfg, resume=args.resume, allow_dtype_change=args.allow_dtype_change)
+    except Stopped as stop:
+        print(f"{cfg.output_dir}: {stop}")
+        return 128 + stop.signum
     print(f"wrote {out}")
+    return 0
+
+
+def show_status(dirs: list[str]) -> int:
+    """Print one status line per run directory (default: every run under ``runs/`` that has one)."""
+    from pathlib import Path
+
+    from .runctl import STATUS_FILE, format_status, read_status
+
+    paths = [Path(d) for d in dirs] or sorted(p.parent for p in Path("runs").glob(f"**/{STATUS_FILE}"))
+    if not paths:
+        print("no training run found (no runs/**/status.json); give the run directories: --status DIR ...")
+        return 1
+    for path in paths:
+        st = read_status(path)
+        print(f"{path}: no status (not started by this trainer)" if st is None else format_status(path, st))
     return 0
 
 
@@ -37,6 +60,10 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.status is not None:
+        return show_status(args.status)
+    if args.stage is None or args.config is None:
+        raise ValueError("cepe train needs --stage and --config (or --status to show running stages)")
     return _run_train(args, args.stage)
 
 
@@ -63,8 +90,12 @@ def _teacher(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="stage config (YAML or JSON), e.g. configs/train/mini/...")
+def _common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
+    p.add_argument(
+        "--config",
+        required=config_required,
+        help="stage config (YAML or JSON), e.g. configs/train/mini/...",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -76,6 +107,26 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint (or, with none, from the snapshot in snapshot_dir)",
+    )
+    p.add_argument(
+        "--allow-dtype-change",
+        action="store_true",
+        help="resume in another compute dtype than the checkpoint was trained in",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="N",
+        help="write a per-op torch.profiler table of N steps to OUTPUT_DIR/profile.txt",
+    )
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``pretrain-encoder``, ``train`` and ``teacher``."""
     p = subparsers.add_parser(
@@ -85,7 +136,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "[MASK] token). The output directory is what later stages read as init_encoder.",
     )
     _common(p)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    _run_options(p)
+    p.add_argument("--status", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_pretrain)
 
     p = subparsers.add_parser(
@@ -94,9 +146,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train the encoder and cross-attention of a frozen decoder. Stages in order: warmup "
         "(copy), cepe, ceped (needs `cepe teacher` first). The output directory is a cepe adapter.",
     )
-    p.add_argument("--stage", required=True, choices=STAGE_CHOICES)
-    _common(p)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--stage", choices=STAGE_CHOICES, help="the stage to train (required unless --status)")
+    _common(p, config_required=False)
+    _run_options(p)
+    p.add_argument(
+        "--status",
+        nargs="*",
+        metavar="DIR",
+        default=None,
+        help="print stage, step, tokens seen, recent loss, tokens/s and ETA of the runs in DIR ... (default: "
+        "every run under runs/) and exit",
+    )
     p.set_defaults(func=_train)
 
     p = subparsers.add_parser(

@@ -20,6 +20,8 @@ from .losses import KL_FORMS
 
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
+# Fields that change how fast or how safely a run goes but not its losses: left out of the fingerprint.
+RUN_CONTROL_FIELDS = ("reference_path", "save_every_minutes", "snapshot_dir", "profile_steps", "peak_seconds")
 
 
 @dataclass
@@ -151,6 +153,15 @@ class TrainConfig:
         bf16: bf16 autocast (fp32 losses): ``true``, ``false`` or ``"auto"`` (bf16 where its matmuls are
             faster than fp32 on the training device, see :mod:`cepe.compute`). gradient_checkpointing: recompute activations in backward.
         save_every, keep_checkpoints, log_every, seed, progress, num_threads: as named.
+
+    Speed and run control (none of these changes the losses; they are not part of :meth:`fingerprint`):
+        reference_path: run the plain computations (autocast casts the frozen weights every call, full
+            logits for the loss) instead of the fast paths of :mod:`cepe.training.speed`.
+        save_every_minutes: also checkpoint when this many minutes passed since the last checkpoint.
+        snapshot_dir: at every checkpoint also write the trainable weights alone here (small, meant to be
+            committed); a resumed run with no checkpoint continues the stage from this snapshot.
+        profile_steps: write a per-op ``torch.profiler`` table of this many steps to ``profile.txt``.
+        peak_seconds: how long the matmul peak is measured at the start (0 = not measured).
     """
 
     stage: str
@@ -201,6 +212,12 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     num_threads: int | None = None
+    # speed and run control (not in the fingerprint)
+    reference_path: bool = False
+    save_every_minutes: float | None = None
+    snapshot_dir: str | None = None
+    profile_steps: int = 0
+    peak_seconds: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -256,6 +273,12 @@ class TrainConfig:
             "decoder_dtype bfloat16 needs bf16 autocast (bf16: true) so that fp32 cross-attention matches it",
         )
         _check(self.keep_checkpoints >= 1, "keep_checkpoints must be at least 1")
+        _check(
+            self.save_every_minutes is None or self.save_every_minutes > 0,
+            f"save_every_minutes must be positive (or null), got {self.save_every_minutes}",
+        )
+        _check(self.profile_steps >= 0, f"profile_steps must be >= 0, got {self.profile_steps}")
+        _check(self.peak_seconds >= 0, f"peak_seconds must be >= 0, got {self.peak_seconds}")
         _check(
             self.batch_size % self.micro_batch_size == 0,
             f"batch_size {self.batch_size} must be a multiple of micro_batch_size {self.micro_batch_size}",
@@ -332,6 +355,8 @@ class TrainConfig:
             d.pop("align_layers", None)
         if d["optim"].get("gate_lr") is None:
             d["optim"].pop("gate_lr", None)
+        for key in RUN_CONTROL_FIELDS:
+            d.pop(key, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -23,6 +23,7 @@ from cepe.modeling import CepeForCausalLM
 
 from .config import TrainConfig
 from .losses import topk_kl
+from .speed import HeadWeight, lm_loss
 
 ENCODER_WEIGHTS = "encoder_model.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
@@ -174,6 +175,8 @@ class StageModule(nn.Module):
         self.align_coef, self.align_heads = cfg.align_coef, cfg.align_heads
         self.align_layers = None if cfg.align_layers is None else frozenset(cfg.align_layers)
         self._held = contextlib.ExitStack()
+        self.fast = not getattr(cfg, "reference_path", False)  # chunked head loss, no decoder cache
+        self._head = HeadWeight()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
 
@@ -196,15 +199,21 @@ class StageModule(nn.Module):
             if "align_targets" in batch and ctx is not None:
                 ctx.align = AlignProbe(batch["align_targets"], self.align_heads, self.align_layers)
             if self.stage != "ceped":
-                out = m(batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False)
+                if self.fast:
+                    base = m.decoder.get_decoder()
+                    hidden = base(
+                        input_ids=batch["input_ids"], use_cache=False
+                    ).last_hidden_state  # (B, T, D)
+                    lm = lm_loss(m, hidden, batch["labels"], self._head, True)
+                else:
+                    lm = m(
+                        batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
+                    ).loss
                 if ctx is not None and ctx.align is not None:
                     align = ctx.align.loss()
                     ctx.align = None
-                    return out.loss + self.align_coef * align, {
-                        "lm": out.loss.detach(),
-                        "align": align.detach(),
-                    }
-                return out.loss, {}
+                    return lm + self.align_coef * align, {"lm": lm.detach(), "align": align.detach()}
+                return lm, {}
             hidden = m.decoder.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # (B, T, D)
             logits = m.lm_logits(hidden[:, :-1])  # (B, T-1, V): position t predicts token t+1
         v = logits.shape[-1]

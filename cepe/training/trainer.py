@@ -30,6 +30,19 @@ from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkp
 from .config import TrainConfig
 from .data import build_example, collate, example_indices, window_source
 from .models import StageModule, build_model, save_encoder, set_train_mode, trainable_parameters
+from .runctl import (
+    DTYPE_NAMES,
+    Signals,
+    Stopped,
+    decide_bf16,
+    format_status,
+    load_snapshot,
+    read_snapshot,
+    save_snapshot,
+    settle_dtype,
+    write_status,
+)
+from .speed import COST_MODEL, hold_frozen_linears, step_flops
 
 LOG_FILE = "log.jsonl"
 CONFIG_FILE = "train_config.json"
@@ -93,20 +106,40 @@ def _tokens(batch: dict[str, torch.Tensor]) -> int:
     return n
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> Path:
+def _threads_note() -> str:
+    """``"N threads"``, with a hint when fewer threads than this process's cores compute."""
+    n = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or n
+    if n < cores:
+        return f"{n} threads on {cores} cores (set num_threads or OMP_NUM_THREADS to use them all)"
+    return f"{n} threads"
+
+
+def _print(enabled: bool, text: str) -> None:
+    if enabled:
+        print(text, flush=True)
+
+
+def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = False) -> Path:
     """Run (or resume) the stage described by ``cfg``; returns ``cfg.output_dir``.
 
     Args:
         cfg: the stage config.
-        resume: continue from the newest checkpoint in ``output_dir/checkpoints`` (starts fresh when there
-            is none).
+        resume: continue from the newest checkpoint in ``output_dir/checkpoints``; with none, from the
+            weights-only snapshot in ``cfg.snapshot_dir`` if there is one (fresh optimizer state), else
+            start fresh.
+        allow_dtype_change: resume a run in another compute dtype than it was trained in.
 
     Raises:
-        ValueError: ``output_dir`` already holds checkpoints and ``resume`` is False, or the checkpoint was
-            written with a different configuration.
+        ValueError: ``output_dir`` already holds checkpoints and ``resume`` is False, the checkpoint was
+            written with a different configuration, or in another compute dtype.
+        Stopped: a signal asked the run to stop; the step it finished is checkpointed.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, gather_object
+    from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
     from tqdm.auto import tqdm
 
     if cfg.num_threads:
@@ -119,6 +152,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         )
     acc = Accelerator(kwargs_handlers=[ddp], cpu=cpu_only())
     world, rank = acc.num_processes, acc.process_index
+    main = acc.is_main_process
     accum = cfg.grad_accum(world)
     out = Path(cfg.output_dir)
     existing = checkpoint_dirs(out)
@@ -127,6 +161,30 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
             f"{out} already holds checkpoints (newest step {existing[-1][0]}); pass --resume to continue "
             "or choose another output_dir"
         )
+    saved: dict[str, Any] | None = None
+    snapshot = None
+    if resume and existing:
+        saved = json.loads((existing[-1][1] / "trainer_state.json").read_text())
+        if saved.get("fingerprint") != cfg.fingerprint():
+            raise ValueError(
+                f"checkpoint {existing[-1][1]} was written with a different configuration (fingerprint "
+                f"{saved.get('fingerprint')} vs {cfg.fingerprint()}); resume with the same config and steps"
+            )
+    elif resume:
+        snapshot = read_snapshot(cfg.snapshot_dir)
+        if snapshot is not None and (
+            snapshot.get("stage") != cfg.stage or snapshot.get("fingerprint") != cfg.fingerprint()
+        ):
+            raise ValueError(
+                f"the snapshot in {cfg.snapshot_dir} is of stage {snapshot.get('stage')!r} with fingerprint "
+                f"{snapshot.get('fingerprint')}, this run is {cfg.stage!r} with {cfg.fingerprint()}; continue "
+                "with the config that wrote it, or point snapshot_dir elsewhere"
+            )
+    record = saved or snapshot or {}
+    where = str(existing[-1][1]) if saved else f"snapshot {cfg.snapshot_dir}"
+    use_bf16 = decide_bf16(cfg.bf16, acc.device, world)
+    use_bf16 = settle_dtype(cfg.bf16, use_bf16, record.get("compute_dtype"), allow_dtype_change, where)
+    compute_dtype = DTYPE_NAMES[use_bf16]
 
     model = build_model(cfg)
     params = trainable_parameters(model)
@@ -135,7 +193,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         bad = [n for n in names if not (n.startswith("encoder.") or ".cross_attn." in n)]
         if bad:
             raise RuntimeError(f"decoder parameters would train: {bad[:5]}")
+        if use_bf16 and not cfg.reference_path:
+            hold_frozen_linears(model.decoder, torch.bfloat16)
     module = StageModule(model, cfg)
+    module.bf16 = use_bf16  # decided once above, not re-timed at every forward
     optimizer = torch.optim.AdamW(
         param_groups(model, params, cfg),
         lr=cfg.optim.lr,
@@ -149,22 +210,50 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     inner = stage_module.model
 
     start = 0
-    if resume and existing:
+    if saved is not None:
         step0, path = existing[-1]
-        saved = json.loads((path / "trainer_state.json").read_text())
-        if saved.get("fingerprint") != cfg.fingerprint():
-            raise ValueError(
-                f"checkpoint {path} was written with a different configuration (fingerprint "
-                f"{saved.get('fingerprint')} vs {cfg.fingerprint()}); resume with the same config and steps"
-            )
         state = load_checkpoint(path, inner, optimizer, scheduler, rank=rank)
         start = int(state["step"])
         assert start == step0
-    if acc.is_main_process:
+    elif snapshot is not None:
+        load_snapshot(cfg.snapshot_dir, inner)
+        start = min(int(snapshot["step"]), cfg.steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(start):
+                scheduler.step()
+        _print(
+            main,
+            f"{cfg.stage}: no checkpoint; continuing from the snapshot of step {start} in "
+            f"{cfg.snapshot_dir} (weights only, fresh optimizer state)",
+        )
+    if main:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / CONFIG_FILE)
         kept = [r for r in read_log(out) if r.get("step", 0) <= start] if start else []
         (out / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    flops = step_flops(cfg, inner)
+    peak = None
+    if cfg.peak_seconds > 0:
+        peak_box = [None]
+        if main:
+            from cepe.bench.runner import matmul_peak_flops
+
+            # the benchmark's 4096² matmul in bf16 (tens of ms); 2048² in fp32, where one 4096² takes seconds
+            size, dt = (4096, torch.bfloat16) if use_bf16 else (2048, torch.float32)
+            peak_box[0] = matmul_peak_flops(size, dt, cfg.peak_seconds)
+        if world > 1:
+            broadcast_object_list(peak_box, from_process=0)
+        peak = peak_box[0]
+    _print(
+        main,
+        f"{cfg.stage}: compute {compute_dtype}"
+        + ("" if cfg.reference_path else " (fast paths)" if cfg.stage != "mlm" else "")
+        + f", {_threads_note()}, {world} process(es); "
+        f"{flops['total'] / 1e12:.3f} TFLOP per step by the cost model ({COST_MODEL})"
+        + (f"; {compute_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s" if peak else ""),
+    )
 
     vocab = int(inner.config.vocab_size) if cfg.stage != "mlm" else int(inner.encoder.config.vocab_size) - 1
     source = window_source(cfg, vocab)
@@ -187,80 +276,186 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
             ex["teacher_probs"], ex["teacher_indices"] = teacher.get(i)
         return ex
 
+    dec_per_step, enc_per_step = flops["decoder_tokens"], flops["encoder_tokens"]
+    recent: list[tuple[float, float]] = [(r["loss"], r.get("step_s", 0.0)) for r in read_log(out)][-10:]
+
+    def status(state: str, done: int) -> dict[str, Any]:
+        losses_, secs = [x[0] for x in recent], [x[1] for x in recent if x[1] > 0]
+        step_s = sum(secs) / len(secs) if secs else None
+        return {
+            "stage": cfg.stage,
+            "state": state,
+            "step": done,
+            "steps": cfg.steps,
+            "examples_seen": done * cfg.batch_size,
+            "decoder_tokens_seen": done * dec_per_step,
+            "encoder_tokens_seen": done * enc_per_step,
+            "loss_recent": sum(losses_) / len(losses_) if losses_ else None,
+            "decoder_tokens_per_s": dec_per_step / step_s if step_s else None,
+            "encoder_tokens_per_s": enc_per_step / step_s if step_s else None,
+            "flops_per_step": flops["total"],
+            "peak_fraction": flops["total"] / step_s / peak if (step_s and peak) else None,
+            "eta_s": (cfg.steps - done) * step_s if step_s else None,
+            "compute_dtype": compute_dtype,
+            "output_dir": str(out),
+        }
+
+    def checkpoint(done: int) -> None:
+        rngs = gather_object([rng_state()])
+        if main:
+            state = {
+                "step": done,
+                "examples_seen": done * cfg.batch_size,
+                "fingerprint": cfg.fingerprint(),
+                "stage": cfg.stage,
+                "world_size": world,
+                "compute_dtype": compute_dtype,
+            }
+            save_checkpoint(out, done, inner, optimizer, scheduler, state, rngs, keep=cfg.keep_checkpoints)
+            if cfg.snapshot_dir:
+                inner.eval()
+                save_snapshot(cfg.snapshot_dir, inner, {**state, "steps": cfg.steps})
+        acc.wait_for_everyone()
+
     bar = tqdm(
         total=cfg.steps,
         initial=start,
         desc=cfg.stage,
         unit="step",
-        disable=not (cfg.progress and acc.is_main_process),
+        disable=not (cfg.progress and main),
     )
+    signals = Signals().install()
+    prof = None
+    prof_from = min(start + 1, cfg.steps - 1) if cfg.profile_steps else -1
     t_start = time.perf_counter()
-    for step in range(start, cfg.steps):
-        set_train_mode(inner)
-        t0 = time.perf_counter()
-        losses: list[torch.Tensor] = []
-        extra: dict[str, list[torch.Tensor]] = {}
-        tokens = 0
-        for micro in range(accum):
-            idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, rank, world)
-            batch = {k: v.to(acc.device) for k, v in collate([make(i) for i in idx]).items()}
-            batch.pop("index")
-            tokens += _tokens(batch)
-            sync = acc.no_sync(module) if micro < accum - 1 else contextlib.nullcontext()
-            with sync:
-                loss, metrics = module(batch)
-                acc.backward(loss / accum)
-            stage_module.release()
-            losses.append(loss.detach().float())
-            for k, v in metrics.items():
-                extra.setdefault(k, []).append(v.float())
-        grad_norm = None
-        if cfg.optim.max_grad_norm:
-            grad_norm = acc.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    paused_s = 0.0
+    last_save = time.monotonic()
+    timed: list[float] = []
+    if main:
+        write_status(out, status("running" if start < cfg.steps else "done", start))
+    try:
+        for step in range(start, cfg.steps):
+            if step == prof_from:
+                from torch.profiler import ProfilerActivity, profile
 
-        loss_value = acc.reduce(torch.stack(losses).mean(), "mean")
-        metric_values = {k: float(acc.reduce(torch.stack(v).mean(), "mean")) for k, v in extra.items()}
-        dt = time.perf_counter() - t0
-        tok_s = tokens * world / max(dt, 1e-9)
-        done = step + 1
-        if acc.is_main_process:
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss_value):.4f}", tok_s=f"{tok_s:.0f}")
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                record = {
-                    "step": done,
-                    "loss": float(loss_value),
-                    **metric_values,
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens_per_s": tok_s,
-                    "step_s": dt,
-                    "elapsed_s": time.perf_counter() - t_start,
-                }
-                with open(out / LOG_FILE, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-        if done % cfg.save_every == 0 or done == cfg.steps:
-            rngs = gather_object([rng_state()])
-            if acc.is_main_process:
-                state = {
-                    "step": done,
-                    "examples_seen": done * cfg.batch_size,
-                    "fingerprint": cfg.fingerprint(),
-                    "stage": cfg.stage,
-                    "world_size": world,
-                }
-                save_checkpoint(
-                    out, done, inner, optimizer, scheduler, state, rngs, keep=cfg.keep_checkpoints
+                prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+                prof.__enter__()
+            set_train_mode(inner)
+            t0 = time.perf_counter()
+            losses: list[torch.Tensor] = []
+            extra: dict[str, list[torch.Tensor]] = {}
+            tokens = 0
+            for micro in range(accum):
+                idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, rank, world)
+                batch = {k: v.to(acc.device) for k, v in collate([make(i) for i in idx]).items()}
+                batch.pop("index")
+                tokens += _tokens(batch)
+                sync = acc.no_sync(module) if micro < accum - 1 else contextlib.nullcontext()
+                with sync:
+                    loss, metrics = module(batch)
+                    acc.backward(loss / accum)
+                stage_module.release()
+                losses.append(loss.detach().float())
+                for k, v in metrics.items():
+                    extra.setdefault(k, []).append(v.float())
+            grad_norm = None
+            if cfg.optim.max_grad_norm:
+                grad_norm = acc.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            loss_value = acc.reduce(torch.stack(losses).mean(), "mean")
+            metric_values = {k: float(acc.reduce(torch.stack(v).mean(), "mean")) for k, v in extra.items()}
+            dt = time.perf_counter() - t0
+            tok_s = tokens * world / max(dt, 1e-9)
+            done = step + 1
+            if step > start:
+                timed.append(dt)  # the first step of a process pays for warm-up
+            if prof is not None and done >= prof_from + cfg.profile_steps:
+                prof.__exit__(None, None, None)
+                if main:
+                    _write_profile(out, prof, done - prof_from, cfg.stage)
+                prof = None
+            recent.append((float(loss_value), dt))
+            del recent[:-10]
+            if main:
+                bar.update(1)
+                frac = flops["total"] / dt / peak if peak else None
+                bar.set_postfix(
+                    loss=f"{float(loss_value):.4f}",
+                    tok_s=f"{tok_s:.0f}",
+                    **({"peak": f"{100 * frac:.0f}%"} if frac else {}),
                 )
-            acc.wait_for_everyone()
-    bar.close()
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    record = {
+                        "step": done,
+                        "loss": float(loss_value),
+                        **metric_values,
+                        "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        "tokens_per_s": tok_s,
+                        "decoder_tokens_per_s": dec_per_step / dt,
+                        "encoder_tokens_per_s": enc_per_step / dt,
+                        "flops_per_s": flops["total"] / dt,
+                        "peak_fraction": frac,
+                        "step_s": dt,
+                        "elapsed_s": time.perf_counter() - t_start - paused_s,
+                    }
+                    with open(out / LOG_FILE, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if bar.disable:  # no progress bar: one status line per logged step
+                        st = status("running", done)
+                        _print(True, format_status(out, st))
+            # stop / time-based checkpoint: rank 0 decides for every process
+            due = cfg.save_every_minutes is not None and (
+                time.monotonic() - last_save >= 60.0 * cfg.save_every_minutes
+            )
+            decision = [signals.stop, due]
+            if world > 1:
+                broadcast_object_list(decision, from_process=0)
+            stop_sig, due = decision
+            if done % cfg.save_every == 0 or done == cfg.steps or due or stop_sig is not None:
+                checkpoint(done)
+                last_save = time.monotonic()
+            if stop_sig is not None:
+                if main:
+                    write_status(out, status("stopped", done))
+                raise Stopped(done, int(stop_sig))
+            if main:
+                write_status(out, status("running" if done < cfg.steps else "done", done))
 
+                def on_pause(done=done):
+                    write_status(out, status("paused", done))
+                    _print(True, f"{cfg.stage}: paused after step {done} (SIGUSR2 resumes)")
+
+                paused_s += signals.wait_while_paused(on_pause)
+            else:
+                paused_s += signals.wait_while_paused()
+    finally:
+        signals.restore()
+        if prof is not None:  # the run ended before the profiled steps did
+            prof.__exit__(None, None, None)
+            if main:
+                _write_profile(out, prof, cfg.steps - prof_from, cfg.stage)
+        bar.close()
+
+    if timed and main:
+        mean = sum(timed) / len(timed)
+        _print(
+            True,
+            f"{cfg.stage}: {len(timed)} timed steps, {mean:.2f} s/step, "
+            f"{dec_per_step / mean:.0f} decoder tok/s, {enc_per_step / mean:.0f} encoder tok/s, "
+            f"{flops['total'] / mean / 1e9:.0f} GFLOP/s"
+            + (
+                f" = {100 * flops['total'] / mean / peak:.1f}% of the {compute_dtype} matmul peak"
+                if peak
+                else ""
+            ),
+        )
     digests = gather_object([parameter_digest(params)])
-    if acc.is_main_process:
+    if main:
         inner.eval()
         if cfg.stage == "mlm":
             save_encoder(inner, out)
@@ -271,3 +466,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
             warnings.warn(f"processes ended with different trainable weights: {digests}", stacklevel=2)
     acc.wait_for_everyone()
     return out
+
+
+PROFILE_FILE = "profile.txt"
+
+
+def _write_profile(out: Path, prof: Any, steps: int, stage: str) -> Path:
+    """Write the per-op table of a ``torch.profiler`` run (self CPU time, top 40 ops) to ``profile.txt``."""
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    path = out / PROFILE_FILE
+    tmp = out / f".{PROFILE_FILE}.tmp"
+    tmp.write_text(
+        f"# {stage}: torch.profiler over {steps} optimizer step(s), sorted by self CPU time\n{table}\n"
+    )
+    os.replace(tmp, path)
+    print(f"{stage}: wrote the profile of {steps} step(s) to {path}", flush=True)
+    return path

@@ -1,0 +1,219 @@
+"""Training speed: the frozen decoder's matmul weights held in the compute dtype once, a chunked LM-head
+cross-entropy that never holds all fp32 logits, and the FLOP cost model of one training step.
+
+Both fast paths compute what the plain path computes (the same bf16 products under autocast, the same
+fp32 loss), so a run can switch between them and resume: :class:`cepe.training.config.TrainConfig`'s
+``reference_path`` selects the plain one, and ``tests/test_train_speed.py`` checks that they agree.
+
+Shape legend: B batch, T decoder tokens, N supervised positions, V vocabulary, D decoder width, K chunks,
+L chunk length, S = K·L encoder tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows of logits per chunk: CHUNK_ELEMENTS / V (about 8M fp32 logits, 32 MB, whatever the vocabulary).
+CHUNK_ELEMENTS = 1 << 23
+
+
+def hold_frozen_linears(decoder: nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen decoder's ``nn.Linear`` weights (and biases) in ``dtype`` once.
+
+    Under autocast a frozen fp32 weight is cast to bf16 at every call (autocast caches only casts of
+    leaves that require grad); holding it in bf16 gives the very same bf16 matmul without the cast.
+    Embeddings, norms and a head tied to the input embedding keep their dtype (the residual stream stays
+    fp32), as do trainable modules (cross-attention). Only valid while the decoder runs under autocast
+    in ``dtype``.
+
+    Returns:
+        The number of weight tensors converted.
+    """
+    if dtype == torch.float32:
+        return 0
+    keep = set()
+    emb = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
+    if emb is not None:
+        keep.add(id(emb.weight))
+    n = 0
+    for name, m in decoder.named_modules():
+        if not isinstance(m, nn.Linear) or ".cross_attn" in f".{name}" or id(m.weight) in keep:
+            continue
+        if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
+            continue
+        m.weight.data = m.weight.data.to(dtype)
+        if m.bias is not None:
+            m.bias.data = m.bias.data.to(dtype)
+        n += 1
+    return n
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weightᵀ`` against ``labels``, chunk by chunk of rows.
+
+    The gradient with respect to ``hidden`` is computed in the forward pass (the head is frozen), so
+    neither the ``(N, V)`` logits nor their fp32 copy is ever held whole or saved for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):  # type: ignore[override]
+        n = hidden.shape[0]
+        dtype = weight.dtype
+        h_all = hidden.to(dtype)
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            logits = (h_all[s : s + chunk] @ weight.t()).float()  # (c, V)
+            y = labels[s : s + chunk]
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if grad is not None:
+                logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                logits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                logits.div_(n)
+                grad[s : s + chunk] = logits.to(dtype) @ weight
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.in_dtype = hidden.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        g = (grad * grad_out.to(grad.dtype)).to(ctx.in_dtype)
+        return g, None, None, None
+
+
+def chunked_head_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weightᵀ, labels)`` (mean, fp32 softmax) without all fp32 logits at once.
+
+    Args:
+        hidden: ``(N, D)`` final hidden states of the supervised positions.
+        weight: ``(V, D)`` frozen output embedding, in the matmul dtype (bf16 under autocast).
+        labels: ``(N,)`` target ids (no ignored positions: select them first).
+        chunk: rows per chunk (default ``CHUNK_ELEMENTS // V``).
+
+    Returns:
+        A 0-dim fp32 tensor; its gradient flows to ``hidden`` only.
+    """
+    if weight.requires_grad:
+        raise ValueError("the chunked head loss needs a frozen output embedding (weight.requires_grad)")
+    if hidden.shape[0] == 0:
+        raise ValueError("no supervised position: every label is -100")
+    rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    return _ChunkedHeadCE.apply(hidden, weight, labels, rows)
+
+
+class HeadWeight:
+    """The decoder's output embedding in the compute dtype, converted once (a tied head stays shared)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.dtype] | None = None
+        self._weight: torch.Tensor | None = None
+
+    def get(self, decoder: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        w = decoder.get_output_embeddings().weight
+        key = (id(w), w._version, dtype)
+        if self._key != key:
+            self._weight = w.detach().to(dtype)
+            self._key = key
+        return self._weight  # type: ignore[return-value]
+
+
+def lm_loss(
+    model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, head: HeadWeight, fast: bool
+) -> torch.Tensor:
+    """The decoder's next-token loss from final hidden states: the model's own (reference) head and fp32
+    cross-entropy, or the chunked one where it computes the same thing (no logit soft-capping).
+
+    Args:
+        hidden: ``(B, T, D)``; labels: ``(B, T)`` with ``-100`` ignored; position t predicts token t+1.
+    """
+    shift = labels[:, 1:]
+    sel = shift != -100
+    h = hidden[:, :-1][sel]  # (N, D)
+    y = shift[sel]
+    cap = getattr(model.decoder.config, "final_logit_softcapping", None)
+    if not fast or cap:
+        return F.cross_entropy(model.lm_logits(h).float(), y)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    with torch.autocast(dev, enabled=False):
+        return chunked_head_cross_entropy(h, head.get(model.decoder, dtype), y)
+
+
+# ---------------------------------------------------------------------------------------- cost model
+def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
+    """Matmul FLOPs of one optimizer step (all processes) by the cost model of :mod:`cepe.bench.flops`.
+
+    Forward: the decoder's layers and head on every decoder token, cross-attention (keys re-projected,
+    the ``states`` mode training uses), the encoder on the chunks. Backward: trainable modules cost twice
+    their forward (input and weight gradients); the frozen decoder costs its forward again (input
+    gradients only; attention scores twice) above its lowest cross-attention layer, that layer's MLP and
+    the head; layers below it get no backward. The MLM stage: the encoder and its head, three times forward.
+
+    Returns:
+        ``{"forward", "backward", "total", "attention", "decoder_tokens", "encoder_tokens"}`` per step;
+        ``attention`` is the part of ``total`` in attention scores and weighted sums (the rest is
+        projections, MLPs and the head).
+    """
+    from cepe.bench.flops import DecoderShape, causal_pairs
+
+    b = cfg.batch_size
+    if cfg.stage == "mlm":
+        enc = DecoderShape.from_encoder_config(model.encoder.config)
+        t = cfg.mlm_seq_length
+        lin = 2 * t * enc.layers * enc.linear_params_per_layer + 2 * t * enc.hidden * enc.vocab
+        att = 4 * t * t * enc.heads * enc.head_dim * enc.layers
+        return {
+            "forward": b * (lin + att),
+            "backward": 2 * b * (lin + att),
+            "total": 3 * b * (lin + att),
+            "attention": 3 * b * att,
+            "decoder_tokens": 0,
+            "encoder_tokens": b * t,
+        }
+    dec = DecoderShape.from_hf_config(model.decoder.config)
+    enc = DecoderShape.from_encoder_config(model.cepe_config.encoder)
+    if cfg.stage == "warmup":
+        n, k, chunk = cfg.warmup_tokens, cfg.warmup_chunks, cfg.stage_chunk_length
+    else:
+        n, k, chunk = cfg.n_decoder, cfg.n_chunks, cfg.chunk_length
+    s = k * chunk
+    layers = list(model.cross_layers)
+    hq, hkv = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim
+    linear = 2 * n * dec.linear_params_per_layer  # per decoder layer
+    mlp = 2 * n * 3 * dec.hidden * dec.intermediate
+    attn = 4 * causal_pairs(0, n) * dec.heads * dec.head_dim
+    head = 2 * (n - 1) * dec.hidden * dec.vocab
+    above = dec.layers - 1 - min(layers) if layers else 0
+    x_lin = len(layers) * (2 * n * 2 * dec.hidden * hq + 2 * s * 2 * enc.hidden * hkv)
+    x_att = len(layers) * 4 * n * s * dec.heads * dec.head_dim
+    e_lin = 2 * s * enc.layers * enc.linear_params_per_layer
+    e_att = 4 * k * chunk * chunk * enc.heads * enc.head_dim * enc.layers
+    fwd_lin = dec.layers * linear + head + x_lin + e_lin
+    fwd_att = dec.layers * attn + x_att + e_att
+    bwd_lin = above * linear + (mlp if layers else 0) + head + 2 * (x_lin + e_lin)
+    bwd_att = above * 2 * attn + 2 * (x_att + e_att)
+    return {
+        "forward": b * (fwd_lin + fwd_att),
+        "backward": b * (bwd_lin + bwd_att),
+        "total": b * (fwd_lin + fwd_att + bwd_lin + bwd_att),
+        "attention": b * (fwd_att + bwd_att),
+        "decoder_tokens": b * n,
+        "encoder_tokens": b * s,
+    }
+
+
+COST_MODEL = (
+    "matmul FLOPs only (2 per multiply-add): forward = frozen decoder layers + head on every decoder "
+    "token, cross-attention with keys projected, encoder chunks; backward = 2x forward for the trainable "
+    "encoder and cross-attention, 1x forward (attention 2x) for frozen decoder layers above the lowest "
+    "cross-attention layer, its MLP and the head; no backward below it"
+)
