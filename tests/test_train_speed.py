@@ -178,7 +178,7 @@ def _stop_after_first_checkpoint(monkeypatch, writer: str = "save_checkpoint"):
 def test_auto_dtype_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
     import cepe.compute
 
-    kw = dict(init_adapter="null", steps=4, save_every=2)
+    kw = dict(init_adapter="null", steps=4, save_every=2, bf16="auto")  # tiny configs pin fp32
     monkeypatch.setenv("CEPE_BF16", "0")
     straight = train(_cfg("cepe", tmp_path / "a", **kw))
     cfg = _cfg("cepe", tmp_path / "b", **kw)
@@ -202,7 +202,7 @@ def test_auto_dtype_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
 
 
 def test_dtype_change_needs_the_override(tmp_path, monkeypatch):
-    kw = dict(init_adapter="null", steps=4, save_every=2)
+    kw = dict(init_adapter="null", steps=4, save_every=2, bf16="auto")
     monkeypatch.setenv("CEPE_BF16", "0")
     cfg = _cfg("cepe", tmp_path / "b", **kw)
     killed, undo = _stop_after_first_checkpoint(monkeypatch)
@@ -226,7 +226,7 @@ def test_dtype_decided_once_per_run(tmp_path, monkeypatch):
 
     monkeypatch.delenv("CEPE_BF16", raising=False)
     monkeypatch.setattr(cepe.compute, "bf16_is_fast", fast)
-    train(_cfg("cepe", tmp_path / "c", init_adapter="null", steps=3, save_every=3))
+    train(_cfg("cepe", tmp_path / "c", init_adapter="null", steps=3, save_every=3, bf16="auto"))
     assert len(calls) == 1
 
 
