@@ -152,3 +152,15 @@ def test_attention_supervision_teaches_the_copy_position(tmp_path):
     log = read_log(train(cfg))
     print([round(r["align"], 2) for r in log])
     assert log[-1]["align"] < 0.3 * log[0]["align"]
+
+
+def test_cost_model_counts_the_decoder_span(tmp_path):
+    """With warmup_decoder_tokens the decoder reads the span only; the encoder the whole window."""
+    from cepe.training.speed import step_flops
+
+    cfg = _cfg(tmp_path, warmup_decoder_tokens=8)
+    flops = step_flops(cfg, build_model(cfg))
+    assert flops["decoder_tokens"] == cfg.batch_size * 8
+    assert flops["encoder_tokens"] == cfg.batch_size * cfg.warmup_tokens
+    full = step_flops(_cfg(tmp_path), build_model(_cfg(tmp_path)))
+    assert full["decoder_tokens"] == cfg.batch_size * cfg.warmup_tokens and full["total"] > flops["total"]

@@ -196,7 +196,8 @@ def status_from_log(output_dir: str | Path) -> dict[str, Any] | None:
     if stage == "mlm":
         dec, enc = 0, b * int(cfg["mlm_seq_length"])
     elif stage == "warmup":
-        dec = enc = b * int(cfg["warmup_tokens"])
+        dec = b * int(cfg.get("warmup_decoder_tokens") or cfg["warmup_tokens"])
+        enc = b * int(cfg["warmup_tokens"])
     else:
         dec, enc = b * int(cfg["n_decoder"]), b * int(cfg["n_chunks"]) * int(cfg["chunk_length"])
     recent = log[-10:]

@@ -182,7 +182,12 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     dec = DecoderShape.from_hf_config(model.decoder.config)
     enc = DecoderShape.from_encoder_config(model.cepe_config.encoder)
     if cfg.stage == "warmup":
-        n, k, chunk = cfg.warmup_tokens, cfg.warmup_chunks, cfg.stage_chunk_length
+        # the decoder reads the whole window, or only a span of it (warmup_decoder_tokens)
+        n, k, chunk = (
+            cfg.warmup_decoder_tokens or cfg.warmup_tokens,
+            cfg.warmup_chunks,
+            cfg.stage_chunk_length,
+        )
     else:
         n, k, chunk = cfg.n_decoder, cfg.n_chunks, cfg.chunk_length
     s = k * chunk
