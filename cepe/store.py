@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from .chunking import chunk_ids
+from .training.runctl import pid_alive
 
 STORE_FORMAT = "cepe-context-store"
 STORE_VERSION = 1
@@ -414,7 +415,7 @@ class ContextStore:
         for f in self.tmp_dir.iterdir():
             m = re.match(r"^\.tmp-(\d+)-", f.name)
             pid = int(m.group(1)) if m else None
-            if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            if pid is not None and pid != os.getpid() and pid_alive(pid):
                 continue
             if pid == os.getpid():
                 continue
@@ -733,16 +734,6 @@ class ContextStore:
                 self._retrievers.pop(next(iter(self._retrievers)))
             self._retrievers[key] = build_retriever(kind, texts, model_dir=model_dir)
         return self._retrievers[key]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------------- asking

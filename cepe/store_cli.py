@@ -23,20 +23,12 @@ def tiny_model(chunk_length: int = 16, seed: int = 0):
         ``(model, tokenizer)``; cross-attention has non-zero weights so the context changes the output;
         generation runs to ``max_new_tokens`` (no end-of-sequence stop).
     """
-    from .config import CepeConfig, EncoderConfig
+    from .eval.cli import tiny_cepe
     from .eval.testing import ByteTokenizer, tiny_decoder
-    from .modeling import CepeForCausalLM
 
     decoder = tiny_decoder(seed=seed)
     torch.manual_seed(seed + 1)
-    enc = EncoderConfig(
-        vocab_size=decoder.config.vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-    )
-    model = CepeForCausalLM.from_decoder(decoder, CepeConfig(encoder=enc, chunk_length=chunk_length)).eval()
+    model = tiny_cepe(decoder, chunk_length=chunk_length)
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for m in model.cross_attention_modules():

@@ -151,7 +151,8 @@ def write_status(output_dir: str | Path, status: dict[str, Any]) -> None:
     write_json_atomic(Path(output_dir) / STATUS_FILE, {**status, "pid": os.getpid(), "updated": time.time()})
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -176,7 +177,7 @@ def read_status(output_dir: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return status_from_log(output_dir)
     st = json.loads(path.read_text())
-    if st.get("state") in ("running", "paused") and st.get("pid") and not _alive(int(st["pid"])):
+    if st.get("state") in ("running", "paused") and st.get("pid") and not pid_alive(int(st["pid"])):
         st["state"] = "stopped (process gone)"
     return st
 
