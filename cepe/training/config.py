@@ -20,6 +20,7 @@ from .losses import KL_FORMS
 
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
+TASK_KINDS = ("lm", "copy", "recall")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
 # Fields that change how fast or how safely a run goes but not its losses: left out of the fingerprint.
 RUN_CONTROL_FIELDS = ("reference_path", "save_every_minutes", "snapshot_dir", "profile_steps", "peak_seconds")
 
@@ -133,6 +134,12 @@ class TrainConfig:
             as K chunks to the encoder (paper 4096 + 16×256).
         chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
             that the student sees what the teacher saw).
+        tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c}``, the shares of the
+            three example kinds of :func:`cepe.training.data.mixed_example` (CEPE continuation, span copy,
+            cued recall), all in the CEPE layout; None = the paper's CEPE examples only.
+        copy_shuffle: mixed stage: the fraction of copy examples whose encoder tokens are permuted.
+        recall_cue, recall_span: mixed stage: cue tokens and ``[min, max]`` recalled tokens of a recall
+            example.
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -191,6 +198,10 @@ class TrainConfig:
     n_chunks: int = 16
     chunk_noise: float | None = None
     chunk_noise_whole: float = 0.1
+    tasks: dict[str, float] | None = None
+    copy_shuffle: float = 0.0
+    recall_cue: int = 8
+    recall_span: list[int] = field(default_factory=lambda: [8, 32])
     # CEPED
     teacher_dir: str | None = None
     teacher_decoder: str | None = None
@@ -249,7 +260,12 @@ class TrainConfig:
         _check(self.align_coef >= 0, f"align_coef must be >= 0, got {self.align_coef}")
         _check(self.align_heads > 0, f"align_heads must be positive, got {self.align_heads}")
         if self.align_coef > 0:
-            _check(self.stage == "warmup", "align_coef (attention supervision) needs the copy warmup stage")
+            _check(
+                self.stage == "warmup" or (self.stage == "cepe" and self.tasks is not None),
+                "align_coef (attention supervision) needs the copy warmup stage or a mixed CEPE stage (tasks)",
+            )
+        if self.tasks is not None:
+            self._validate_tasks()
         if self.warmup_decoder_tokens is not None:
             _check(
                 1 < self.warmup_decoder_tokens <= self.warmup_tokens,
@@ -308,6 +324,31 @@ class TrainConfig:
                 "encoder_init: decoder needs no MLM stage: remove init_encoder (and run warmup/cepe directly)",
             )
 
+    def _validate_tasks(self) -> None:
+        _check(self.stage == "cepe", f"tasks (a mixed stage) needs stage cepe, got {self.stage!r}")
+        _check(
+            isinstance(self.tasks, dict) and set(self.tasks) <= set(TASK_KINDS),
+            f"tasks must map some of {TASK_KINDS} to shares, got {self.tasks!r}",
+        )
+        shares = [float(v) for v in self.tasks.values()]
+        _check(
+            all(v >= 0 for v in shares) and sum(shares) > 0,
+            f"task shares must be >= 0 and not all zero, got {self.tasks!r}",
+        )
+        _check(0.0 <= self.copy_shuffle <= 1.0, f"copy_shuffle must be in [0, 1], got {self.copy_shuffle}")
+        lo, hi = (int(x) for x in self.recall_span)
+        _check(
+            len(self.recall_span) == 2 and 1 <= lo <= hi,
+            f"recall_span must be [min, max] with 1 <= min <= max, got {self.recall_span}",
+        )
+        _check(self.recall_cue >= 1, f"recall_cue must be >= 1, got {self.recall_cue}")
+        room = min(self.n_decoder, self.n_chunks * self.chunk_length)
+        _check(
+            self.recall_cue + hi <= room,
+            f"recall_cue + recall_span max = {self.recall_cue + hi} must fit in the decoder and the encoder "
+            f"({room} tokens); shorten them",
+        )
+
     # ------------------------------------------------------------------ derived sizes
     @property
     def window_length(self) -> int:
@@ -349,6 +390,9 @@ class TrainConfig:
             d["data"].pop("shuffle", None)
         for key in ("warmup_decoder_tokens", "freeze_encoder", "align_coef"):
             if not d.get(key):
+                d.pop(key, None)
+        if d.get("tasks") is None:
+            for key in ("tasks", "copy_shuffle", "recall_cue", "recall_span"):
                 d.pop(key, None)
         if "align_coef" not in d:
             d.pop("align_heads", None)

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .config import TASK_KINDS, TrainConfig
 
-_MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG = 11, 13, 17, 19, 23
+_MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -137,6 +137,8 @@ def build_example(
     from cepe.data.sequences import mlm_example, split_for_cepe, split_for_warmup
 
     seed = cfg.data.seed
+    if cfg.tasks is not None and cfg.stage == "cepe":
+        return mixed_example(cfg, torch.as_tensor(window), index)
     if cfg.data.shuffle:
         g = example_generator(seed, _SHUFFLE_TAG, index)
         frac = float(cfg.data.shuffle)
@@ -183,6 +185,84 @@ def build_example(
         "index": torch.tensor(index),
         **(extra if cfg.stage == "warmup" and cfg.align_coef > 0 else {}),
     }
+
+
+def example_task(cfg: TrainConfig, index: int) -> str:
+    """The kind of example ``index`` of a mixed CEPE stage (``cfg.tasks``): drawn by its seeded share."""
+    assert cfg.tasks is not None
+    names = [k for k in TASK_KINDS if cfg.tasks.get(k, 0) > 0]
+    weights = torch.tensor([float(cfg.tasks[k]) for k in names], dtype=torch.float64)
+    g = example_generator(cfg.data.seed, _TASK_TAG, index)
+    return names[int(torch.multinomial(weights / weights.sum(), 1, generator=g))]
+
+
+def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
+    """Example ``index`` of the mixed CEPE stage: every kind has the CEPE layout (the window's first K·L
+    tokens as K chunks of L in the encoder, n tokens in the decoder), so kinds batch together.
+
+    - ``lm``: the paper's CEPE example: the decoder continues the window, the encoder holds the previous
+      K·L tokens with chunk noise. No attention targets.
+    - ``copy``: the decoder gets n tokens copied from a seeded place of the encoder's K·L (retrieval among
+      K chunks, then copying); with ``copy_shuffle`` those K·L tokens are permuted first (only copying can
+      predict them).
+    - ``recall``: the decoder continues the window for ``n - c - s`` tokens, then a cue of c tokens copied
+      from a seeded place of the encoder, then the s tokens that follow the cue there
+      (``recall_cue``, ``recall_span``): it must notice the cue, find it among the chunks and read on. The
+      cue is not a loss target (it cannot be predicted); the span is.
+
+    ``align_targets`` ``(n,)``: for copied tokens, the flat encoder position of the token each decoder
+    position predicts (-1 elsewhere); used when ``align_coef > 0``.
+    """
+    from cepe.data.sequences import split_for_cepe
+
+    kind = example_task(cfg, index)
+    seed = cfg.data.seed
+    enc, dec = split_for_cepe(window, cfg.n_decoder, cfg.chunk_length, cfg.n_chunks)
+    m, n = enc.numel(), dec.shape[-1]
+    mask = torch.ones_like(enc, dtype=torch.bool)
+    align = torch.full((n,), -1, dtype=torch.long)
+    labels = dec.clone()
+    g = example_generator(seed, _SPAN_TAG, index)
+    if kind == "lm":
+        if cfg.chunk_noise > 0:
+            mask = chunk_noise_mask(
+                mask, cfg.chunk_noise, cfg.chunk_noise_whole, example_generator(seed, _NOISE_TAG, index)
+            )
+    elif kind == "copy":
+        flat = enc.reshape(-1)
+        if cfg.copy_shuffle and float(torch.rand((), generator=g)) < cfg.copy_shuffle:
+            flat = flat[torch.randperm(m, generator=g)]
+            enc = flat.reshape(enc.shape)
+        span = min(n, m)
+        start = int(torch.randint(0, m - span + 1, (1,), generator=g))
+        dec = dec.clone()
+        dec[:span] = flat[start : start + span]
+        labels = dec.clone()
+        if span < n:  # a decoder longer than the encoder: the rest is not a target
+            labels[span:] = -100
+        align[: span - 1] = torch.arange(start + 1, start + span)
+    else:  # recall
+        cue = int(cfg.recall_cue)
+        lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])
+        span = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        total = cue + span
+        start = int(torch.randint(0, m - total + 1, (1,), generator=g))
+        at = n - total
+        dec = dec.clone()
+        dec[at:] = enc.reshape(-1)[start : start + total]
+        labels = dec.clone()
+        labels[at : at + cue] = -100
+        align[at : n - 1] = torch.arange(start + 1, start + total)
+    out = {
+        "input_ids": dec,
+        "labels": labels,
+        "encoder_input_ids": enc,
+        "encoder_attention_mask": mask,
+        "index": torch.tensor(index),
+    }
+    if cfg.align_coef > 0:
+        out["align_targets"] = align
+    return out
 
 
 def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
