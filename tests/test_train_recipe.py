@@ -81,6 +81,10 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "align_coef",
         "align_heads",
         "align_layers",
+        "tasks",
+        "copy_shuffle",
+        "recall_cue",
+        "recall_span",
     ):
         d.pop(key)
     d["data"].pop("shuffle")
@@ -165,3 +169,97 @@ def test_cost_model_counts_the_decoder_span(tmp_path):
     assert flops["encoder_tokens"] == cfg.batch_size * cfg.warmup_tokens
     full = step_flops(_cfg(tmp_path), build_model(_cfg(tmp_path)))
     assert full["decoder_tokens"] == cfg.batch_size * cfg.warmup_tokens and full["total"] > flops["total"]
+
+
+def _mixed(tmp_path, **over):
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(
+        output_dir=str(tmp_path / "mixed"),
+        steps=4,
+        progress=False,
+        data={"synthetic": "distinct"},
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1},
+        tasks={"lm": 1, "copy": 1, "recall": 1},
+        recall_cue=4,
+        recall_span=[4, 12],
+        align_coef=1.0,
+    )
+    d.update(over)
+    return load_config(d)
+
+
+def test_mixed_stage_layouts(tmp_path):
+    """Every kind has the CEPE shapes; copied tokens' attention targets point at their encoder copies;
+    recall keeps the decoder's own text before the cue and does not score the cue; lm has chunk noise
+    and no targets; the kind of an example is a function of its index and the shares."""
+    from cepe.training.data import example_task
+
+    cfg = _mixed(tmp_path, copy_shuffle=1.0)
+    src = window_source(cfg, 128)
+    seen = set()
+    for i in range(40):
+        window = src[i]
+        ex, kind = build_example(cfg, window, i, None), example_task(cfg, i)
+        seen.add(kind)
+        enc, dec, labels, align = (
+            ex["encoder_input_ids"],
+            ex["input_ids"],
+            ex["labels"],
+            ex["align_targets"],
+        )
+        assert enc.shape == (4, 8) and dec.shape == labels.shape == align.shape == (32,)
+        flat = enc.flatten()
+        pos = (align >= 0).nonzero().flatten()
+        assert torch.equal(flat[align[pos]], dec[pos + 1])  # position t reads the copy of token t+1
+        if kind == "lm":
+            assert not len(pos) and torch.equal(dec, window[32:]) and torch.equal(labels, dec)
+            assert torch.equal(enc.flatten(), window[:32])
+        elif kind == "copy":
+            assert len(pos) == 31 and torch.equal(labels, dec)
+            assert sorted(flat.tolist()) == sorted(window[:32].tolist())
+            assert not torch.equal(flat, window[:32])  # copy_shuffle 1: permuted
+            assert bool(ex["encoder_attention_mask"].all())
+        else:
+            cue = int((labels == -100).sum())
+            assert cue == 4
+            at = int((labels == -100).nonzero()[0])
+            assert torch.equal(dec[:at], window[32 : 32 + at])  # the decoder's own text first
+            assert pos.tolist() == list(range(at, 31))
+            assert 4 <= 32 - at - 4 <= 12
+    assert seen == {"lm", "copy", "recall"}
+    only_lm = _mixed(tmp_path, tasks={"lm": 1.0, "copy": 0.0})
+    assert {example_task(only_lm, i) for i in range(20)} == {"lm"}
+
+
+def test_mixed_stage_validation_and_fingerprint(tmp_path):
+    plain = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    plain.update(output_dir=str(tmp_path / "p"))
+    base = load_config(plain)
+    assert base.fingerprint() == load_config({**plain, "copy_shuffle": 0.0}).fingerprint()
+    assert _mixed(tmp_path).fingerprint() != _mixed(tmp_path, copy_shuffle=0.5).fingerprint()
+    for over, msg in (
+        ({"tasks": {"lm": 1, "qa": 1}}, "tasks must map"),
+        ({"tasks": {"lm": 0}}, "not all zero"),
+        ({"recall_span": [4, 40]}, "must fit"),
+        ({"recall_span": [5, 4]}, "recall_span"),
+        ({"copy_shuffle": 2}, "copy_shuffle"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            _mixed(tmp_path, **over)
+    with pytest.raises(ValueError, match="mixed CEPE stage"):
+        load_config({**plain, "align_coef": 1.0})
+
+
+def test_mixed_stage_trains_and_resumes_exactly(tmp_path):
+    cfg = _mixed(tmp_path, steps=4, save_every=2)
+    log = read_log(train(cfg))
+    assert len(log) == 4 and all("align" in r and "lm" in r for r in log)
+    again = _mixed(tmp_path, steps=4, save_every=2, output_dir=str(tmp_path / "again"))
+    train(again)
+    import shutil
+
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "step_000004")  # as if stopped after step 2
+    resumed = read_log(train(again, resume=True))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in log]
