@@ -256,6 +256,14 @@ def test_mixed_stage_trains_and_resumes_exactly(tmp_path):
     cfg = _mixed(tmp_path, steps=4, save_every=2)
     log = read_log(train(cfg))
     assert len(log) == 4 and all("align" in r and "lm" in r for r in log)
+    kinds = {k for r in log for k in r if k.startswith("lm_")}
+    assert kinds == {"lm_lm", "lm_copy", "lm_recall"}  # each kind's loss is logged
+    one = next(r for r in log if {"lm_lm", "lm_copy", "lm_recall"} <= set(r))
+    assert (
+        min(one["lm_lm"], one["lm_copy"], one["lm_recall"])
+        <= one["lm"]
+        <= max(one["lm_lm"], one["lm_copy"], one["lm_recall"])
+    )
     again = _mixed(tmp_path, steps=4, save_every=2, output_dir=str(tmp_path / "again"))
     train(again)
     import shutil

@@ -210,6 +210,7 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
       (``recall_cue``, ``recall_span``): it must notice the cue, find it among the chunks and read on. The
       cue is not a loss target (it cannot be predicted); the span is.
 
+    ``task``: the kind's index in ``TASK_KINDS`` (the trainer logs the loss of each kind).
     ``align_targets`` ``(n,)``: for copied tokens, the flat encoder position of the token each decoder
     position predicts (-1 elsewhere); used when ``align_coef > 0``.
     """
@@ -259,6 +260,7 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         "encoder_input_ids": enc,
         "encoder_attention_mask": mask,
         "index": torch.tensor(index),
+        "task": torch.tensor(TASK_KINDS.index(kind)),
     }
     if cfg.align_coef > 0:
         out["align_targets"] = align

@@ -199,12 +199,15 @@ class StageModule(nn.Module):
             if "align_targets" in batch and ctx is not None:
                 ctx.align = AlignProbe(batch["align_targets"], self.align_heads, self.align_layers)
             if self.stage != "ceped":
+                extra: dict[str, torch.Tensor] = {}
                 if self.fast:
                     base = m.decoder.get_decoder()
                     hidden = base(
                         input_ids=batch["input_ids"], use_cache=False
                     ).last_hidden_state  # (B, T, D)
                     lm = lm_loss(m, hidden, batch["labels"], self._head, True)
+                    if "task" in batch:
+                        extra = self._task_losses(m, hidden, batch)
                 else:
                     lm = m(
                         batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
@@ -212,8 +215,9 @@ class StageModule(nn.Module):
                 if ctx is not None and ctx.align is not None:
                     align = ctx.align.loss()
                     ctx.align = None
-                    return lm + self.align_coef * align, {"lm": lm.detach(), "align": align.detach()}
-                return lm, {}
+                    metrics = {"lm": lm.detach(), "align": align.detach(), **extra}
+                    return lm + self.align_coef * align, metrics
+                return lm, extra
             hidden = m.decoder.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # (B, T, D)
             logits = m.lm_logits(hidden[:, :-1])  # (B, T-1, V): position t predicts token t+1
         v = logits.shape[-1]
@@ -230,6 +234,20 @@ class StageModule(nn.Module):
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}
+
+    @torch.no_grad()
+    def _task_losses(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
+        """The next-token loss of each example kind of a mixed stage (``batch["task"]``), for the log only
+        (no gradient; the training loss is the mean over all kinds' tokens)."""
+        from .config import TASK_KINDS
+
+        out = {}
+        labels, kinds = batch["labels"], batch["task"]  # (B, T), (B,)
+        for i, name in enumerate(TASK_KINDS):
+            sel = kinds == i
+            if bool(sel.any()) and bool((labels[sel][:, 1:] != -100).any()):
+                out[f"lm_{name}"] = lm_loss(m, hidden[sel].detach(), labels[sel], self._head, True).detach()
+        return out
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
