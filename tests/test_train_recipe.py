@@ -257,7 +257,7 @@ def test_mixed_stage_trains_and_resumes_exactly(tmp_path):
     log = read_log(train(cfg))
     assert len(log) == 4 and all("align" in r and "lm" in r for r in log)
     kinds = {k for r in log for k in r if k.startswith("lm_")}
-    assert kinds == {"lm_lm", "lm_copy", "lm_recall"}  # each kind's loss is logged
+    assert kinds == {"lm_lm", "lm_copy", "lm_recall", "lm_recall_span"}  # each kind's loss is logged
     one = next(r for r in log if {"lm_lm", "lm_copy", "lm_recall"} <= set(r))
     assert (
         min(one["lm_lm"], one["lm_copy"], one["lm_recall"])

@@ -243,10 +243,14 @@ class StageModule(nn.Module):
 
         out = {}
         labels, kinds = batch["labels"], batch["task"]  # (B, T), (B,)
-        for i, name in enumerate(TASK_KINDS):
-            sel = kinds == i
-            if bool(sel.any()) and bool((labels[sel][:, 1:] != -100).any()):
-                out[f"lm_{name}"] = lm_loss(m, hidden[sel].detach(), labels[sel], self._head, True).detach()
+        parts = {f"lm_{name}": (kinds == i, labels) for i, name in enumerate(TASK_KINDS)}
+        if "align_targets" in batch:  # the recalled span alone: tokens whose copy is a target
+            copied = torch.zeros_like(labels, dtype=torch.bool)
+            copied[:, 1:] = batch["align_targets"][:, :-1] >= 0
+            parts["lm_recall_span"] = (kinds == TASK_KINDS.index("recall"), labels.masked_fill(~copied, -100))
+        for key, (sel, lab) in parts.items():
+            if bool(sel.any()) and bool((lab[sel][:, 1:] != -100).any()):
+                out[key] = lm_loss(m, hidden[sel].detach(), lab[sel], self._head, True).detach()
         return out
 
 
