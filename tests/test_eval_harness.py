@@ -1,8 +1,13 @@
 """The lm-evaluation-harness ``cepe`` model on a tiny random model: registry, the three request types,
 local perplexity and multiple-choice tasks, and agreement with ``cepe eval lm``."""
 
+import importlib.metadata as md
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -72,35 +77,41 @@ def test_loglikelihood_uses_the_encoder_beyond_the_window(setup):
     )  # within the window there is nothing for the encoder
 
 
-def test_rolling_agrees_with_cepe_eval_lm(setup):
-    """Each rolling block ending at token e is `cepe eval lm` on the document's first e tokens."""
-    lm = _lm(setup, method="cepe")
-    text = DOCS[2]
+def _cepe_eval_lm_loglik(setup, text, window=48, E=16):
+    """The document's log-likelihood from `cepe eval lm`: the block ending at token e (every E tokens
+    back from the end) is `cepe eval lm` on the document's first e tokens; the first block is predicted
+    from the prefix token."""
     toks = setup.encode(text)
-    n, E = len(toks), lm.rolling_tokens
-    reqs = lm.rolling_requests(text)
-    assert sum(r.num_targets for r in reqs) == n
-    got = lm.loglikelihood_rolling([_inst(text)])[0]
-    expected = 0.0
-    for e in range(n, 0, -E):
-        if e - E <= 0:  # first block: predicted from the prefix token
+    total = 0.0
+    for e in range(len(toks), 0, -E):
+        if e - E <= 0:
             lp = setup.method("cepe").score(
-                [harness.window_request("cepe", [setup.start_id, *toks[:e]], 48, e, 64)]
+                [harness.window_request("cepe", [setup.start_id, *toks[:e]], window, e, 64)]
             )
-            expected += float(lp[0].sum())
+            total += float(lp[0].sum())
             continue
         cfg = {
             "sources": [{"name": "doc", "documents": [{"id": "d", "text": text[:e]}]}],
             "totals": [e],
-            "decoder_window": 48,
+            "decoder_window": window,
             "decoder_window_overrides": {},
             "eval_tokens": E,
             "chunk_length": 64,
             "sequences_per_domain": 1,
         }
         row = next(r for r in run_task("lm", setup, cfg)["rows"] if r["method"] == "cepe")
-        expected -= E * math.log(row["value"])
-    assert got == pytest.approx(expected, rel=1e-5)
+        total -= E * math.log(row["value"])
+    return total
+
+
+def test_rolling_agrees_with_cepe_eval_lm(setup):
+    """Each rolling block ending at token e is `cepe eval lm` on the document's first e tokens."""
+    lm = _lm(setup, method="cepe")
+    text = DOCS[2]
+    reqs = lm.rolling_requests(text)
+    assert sum(r.num_targets for r in reqs) == len(setup.encode(text))
+    got = lm.loglikelihood_rolling([_inst(text)])[0]
+    assert got == pytest.approx(_cepe_eval_lm_loglik(setup, text, 48, lm.rolling_tokens), rel=1e-5)
 
 
 def test_generate_until(setup):
@@ -141,7 +152,7 @@ def test_local_tasks_and_cli(setup, tmp_path, monkeypatch):
     scores = lm.loglikelihood([_inst(t + "\nTopic:", " " + c) for t, _ in mc for c in ("alpha", "beta")])
     acc = sum(int(scores[2 * i][0] < scores[2 * i + 1][0]) == y for i, (_, y) in enumerate(mc)) / len(mc)
     assert res["cepe_mc"]["acc,none"] == pytest.approx(acc)
-    # the command line: python -m cepe.eval.harness --model cepe ...
+    # the command line in this process: cepe-lm-eval --model cepe ... (harness.main)
     out = tmp_path / "out"
     harness.main(
         [
@@ -168,3 +179,93 @@ def test_bad_args(setup):
         harness.CepeLM(setup=setup, decoder_window=16, rolling_tokens=16)
     with pytest.raises(ValueError, match="no chat template"):
         _lm(setup).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def test_entry_point_names_the_registered_class():
+    """lm-eval registers an installed `lm_eval.models` entry point as a lazy placeholder; loading it imports
+    the module, whose @register_model replaces the placeholder only if both name the same class."""
+    project = _pyproject()
+    value = project["entry-points"]["lm_eval.models"]["cepe"]
+    assert value == f"{harness.CepeLM.__module__}:{harness.CepeLM.__name__}"
+    assert md.EntryPoint(name="cepe", value=value, group="lm_eval.models").load() is harness.CepeLM
+    assert project["scripts"]["cepe-lm-eval"] == "cepe.eval.harness:main"
+
+
+def _lm_eval_reads_entry_points() -> bool:
+    import lm_eval.api.registry
+    import lm_eval.models
+
+    return any(
+        "entry_points(" in Path(m.__file__).read_text() for m in (lm_eval.api.registry, lm_eval.models)
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("script", ["lm_eval", "cepe-lm-eval"])
+def test_command_line_matches_cepe_eval_lm(script, tmp_path):
+    """`lm_eval --model cepe` (the entry point) and `cepe-lm-eval --model cepe` (the same command line with
+    `cepe` registered) in a separate process: their byte perplexity on a local task is the one from
+    `cepe eval lm` on the same documents."""
+    bindir = Path(sys.executable).parent
+    paths = [str(ROOT)]
+    if script == "lm_eval":
+        if not _lm_eval_reads_entry_points():
+            pytest.skip(
+                f"lm-eval {md.version('lm_eval')} does not read `lm_eval.models` entry points; "
+                "its command line with `cepe` registered is `cepe-lm-eval` (the other case)"
+            )
+        # the entry points this checkout declares, as an install would record them (a stale or absent
+        # install of the package must not decide the test)
+        info = tmp_path / "meta" / "cepe-0.0.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cepe\nVersion: 0.0.0\n")
+        eps = _pyproject()["entry-points"]["lm_eval.models"]
+        (info / "entry_points.txt").write_text(
+            "[lm_eval.models]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
+        )
+        paths.insert(0, str(info.parent))
+    exe = bindir / script
+    # without the installed script, what it runs (an editable install made before the script existed)
+    entry = "lm_eval.__main__:cli_evaluate" if script == "lm_eval" else "cepe.eval.harness:main"
+    mod, fn = entry.split(":")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", f"import sys, {mod}; sys.exit({mod}.{fn}())"]
+    harness.write_local_tasks(tmp_path / "tasks", DOCS, [(DOCS[0][:80], 0)], ["alpha", "beta"])
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(paths)}
+    env.pop("PYTHONSTARTUP", None)
+    proc = subprocess.run(
+        [
+            *cmd,
+            "--model",
+            "cepe",
+            "--model_args",
+            "model=tiny,method=cepe,decoder_window=48,rolling_tokens=16",
+            "--device",
+            "cpu",
+            "--include_path",
+            str(tmp_path / "tasks"),
+            "--tasks",
+            "cepe_ppl",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = list((tmp_path / "out").rglob("results*.json"))
+    assert found, proc.stderr[-3000:]
+    got = json.loads(found[0].read_text())["results"]["cepe_ppl"]["byte_perplexity,none"]
+    setup = load_setup("tiny", ["cepe"], progress=False)  # the same model the command line loads
+    ll = sum(_cepe_eval_lm_loglik(setup, d) for d in DOCS)
+    assert got == pytest.approx(math.exp(-ll / sum(len(d.encode()) for d in DOCS)), rel=1e-5)

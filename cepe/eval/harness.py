@@ -1,14 +1,16 @@
 """lm-evaluation-harness model ``cepe`` (optional extra: ``pip install "cepe[harness]"``).
 
 Importing this module registers the model with lm-evaluation-harness's registry
-(``lm_eval.api.registry.register_model``); no fork. The ``lm_eval`` console script does not discover
-plugins, so run the harness through ``python -m cepe.eval.harness`` (the ``lm_eval`` command line, with
-``cepe`` registered), or call ``lm_eval.simple_evaluate(model="cepe", ...)`` after ``import
-cepe.eval.harness``::
+(``lm_eval.api.registry.register_model``); no fork. The package declares the model as an
+``lm_eval.models`` entry point (``cepe = cepe.eval.harness:CepeLM``, pyproject.toml), the group through
+which lm-eval's command line discovers installed models, so where the installed lm-eval reads that group
+``lm_eval --model cepe ...`` works as it is. lm-eval 0.4.13's ``lm_eval`` script reads no plugins; there
+the same command line with ``cepe`` registered is the console script ``cepe-lm-eval`` (:func:`main`), or
+``lm_eval.simple_evaluate(model="cepe", ...)`` after ``import cepe.eval.harness``::
 
-    python -m cepe.eval.harness --model cepe \\
+    cepe-lm-eval --model cepe \\
         --model_args model=adapters/smollm2-135m-cepe,decoder_window=512 \\
-        --include_path <dir from write_local_tasks> --tasks cepe_essays_ppl,cepe_bbc_topic
+        --include_path <dir from write_local_tasks> --tasks cepe_ppl,cepe_mc
 
 Model arguments (``--model_args k=v,...``):
 
@@ -313,13 +315,13 @@ def write_bundled_tasks(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m cepe.eval.harness [lm_eval args]``: the ``lm_eval`` command line with ``cepe``
-    registered; ``python -m cepe.eval.harness write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]`` writes the
+    """``cepe-lm-eval [lm_eval args]`` (or ``python -m cepe.eval.harness``): the ``lm_eval`` command line
+    with ``cepe`` registered; ``cepe-lm-eval write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]`` writes the
     bundled local tasks (:func:`write_bundled_tasks`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["write-tasks"]:
         if len(argv) not in (2, 5):
-            raise SystemExit("usage: python -m cepe.eval.harness write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]")
+            raise SystemExit("usage: cepe-lm-eval write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]")
         sizes = [int(x) for x in argv[2:]]
         print(json.dumps(write_bundled_tasks(argv[1], *sizes), indent=2))
         return
