@@ -39,13 +39,14 @@ def tiny_model(chunk_length: int = 16, seed: int = 0):
     return model, ByteTokenizer()
 
 
-def load_model_and_tokenizer(name: str):
-    """``(model, tokenizer)`` for ``--model`` (see the module docstring)."""
+def load_model_and_tokenizer(name: str, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` for ``--model`` (see the module docstring), the model in ``dtype``."""
     if name == "tiny":
-        return tiny_model()
+        model, tok = tiny_model()
+        return model.to(dtype), tok
     from .commands import load_model
 
-    model, tok, fresh = load_model(name)
+    model, tok, fresh = load_model(name, dtype=dtype)
     if fresh:
         print("note: untrained CEPE encoder (no adapter given): the context cannot help yet", file=sys.stderr)
     return model, tok

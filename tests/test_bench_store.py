@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from cepe.bench.store_ttft import StoreBenchConfig, _first_token_full, kv_bytes_per_token, run_store_bench
@@ -40,3 +41,41 @@ def test_bench_store_tiny(tmp_path):
     saved = json.loads((tmp_path / "bench_store.json").read_text())
     assert saved["rows"][0]["tokens"] == 256
     assert "| 1024 |" in (tmp_path / "bench_store.md").read_text()
+
+
+def test_bench_store_bf16(tmp_path, monkeypatch):
+    """``dtype="bf16"``: every path (re-encode, stored, full prefill) runs the bf16 model, and the run says so."""
+    from cepe.bench import store_ttft
+
+    seen = []
+    cepe_first, full_first = store_ttft._first_token_cepe, store_ttft._first_token_full
+
+    def cepe_spy(model, prompt, cache, **enc):
+        seen.append(("cepe", model.dtype, enc["encoder_hidden_states"].dtype))
+        return cepe_first(model, prompt, cache, **enc)
+
+    def full_spy(model, ids, prompt, chunk):
+        seen.append(("full", model.dtype, next(model.decoder.parameters()).dtype))
+        return full_first(model, ids, prompt, chunk)
+
+    monkeypatch.setattr(store_ttft, "_first_token_cepe", cepe_spy)
+    monkeypatch.setattr(store_ttft, "_first_token_full", full_spy)
+    cfg = StoreBenchConfig(model="tiny", lengths=[256], full_max_tokens=256, dtype="bf16", threads=1)
+    res = run_store_bench(cfg, tmp_path, log=lambda *a: None)
+    # warm-up, re-encode, stored cold, stored warm, full prefill
+    assert [k for k, *_ in seen] == ["cepe"] * 4 + ["full"]
+    assert all(d == torch.bfloat16 for _, *dts in seen for d in dts)
+    (row,) = res["rows"]
+    assert row["ttft_full_s"] > 0 and row["ttft_stored_cold_s"] > 0
+    assert row["first_token_same"]  # a bf16 store of a bf16 model: the stored Φ is the re-encoded one
+    assert res["config"]["dtype"] == "bf16" and "model dtype bfloat16" in res["machine"]
+    assert json.loads((tmp_path / "bench_store.json").read_text())["config"]["dtype"] == "bf16"
+    md = (tmp_path / "bench_store.md").read_text()
+    assert "model dtype bf16 (every path)" in md and "differs" not in md
+    # a flipped first token is reported with its likely cause
+    flipped = {**res, "rows": [{**row, "first_token_same": False}]}
+    assert "unexpected" in store_ttft.format_markdown(flipped)
+    fp32 = {**flipped, "config": {**res["config"], "dtype": "fp32"}}
+    assert "near-tie" in store_ttft.format_markdown(fp32)
+    with pytest.raises(ValueError, match="dtype"):
+        run_store_bench(StoreBenchConfig(model="tiny", dtype="fp16"), None)

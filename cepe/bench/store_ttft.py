@@ -14,6 +14,13 @@ this order and in one process:
 - ``full`` (only for T ≤ ``full_max_tokens``): the decoder reads the T tokens and the question
   (chunked prefill into its K/V cache) and produces the first token.
 
+All three paths run the same model in one dtype (``dtype``: ``fp32``, the default, or ``bf16``, loaded in
+that dtype as ``cepe bench`` does; full-context prefill at 128K tokens takes hours in fp32 on a 2-core CPU),
+so the comparison stays fair. ``first_token_same``: the re-encoded and the two stored runs produced the
+same first token. The stored Φ is rounded to ``store_dtype`` and cast back to the model dtype; where the
+two differ (an fp32 model with a bf16 store), the rounding can flip a near-tie between the two most likely
+tokens, which the markdown then says.
+
 Ratios are taken within the run. Bytes per token: the stored file size over T, Φ alone
 (``D_enc`` × dtype bytes) and full-context K/V (2 × layers × KV heads × head dim × dtype bytes).
 Shape legend: T context tokens, S encoder positions, D = D_enc.
@@ -35,6 +42,7 @@ import torch
 
 from ..chunking import chunk_ids
 
+MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUESTION = "What is the main point of the document above? Answer in one sentence."
 
 
@@ -47,6 +55,7 @@ class StoreBenchConfig:
         lengths: context lengths T.
         full_max_tokens: longest T for which full-context prefill is run.
         full_chunk: tokens per call of the chunked full-context prefill.
+        dtype: dtype of the model for every path (``"fp32"`` or ``"bf16"``).
         store_dtype: dtype of the stored Φ.
         cache: cross-attention cache mode while producing the first token (``"states"``: K/V projected per
             layer and dropped; same first-token cost as ``"kv"`` without keeping 30 layers of K/V).
@@ -58,6 +67,7 @@ class StoreBenchConfig:
     lengths: list[int] = field(default_factory=lambda: [32768, 131072])
     full_max_tokens: int = 8192
     full_chunk: int = 2048
+    dtype: str = "fp32"
     store_dtype: str = "bf16"
     cache: str = "states"
     threads: int = 0
@@ -115,10 +125,12 @@ def run_store_bench(
     from ..store import STORE_DTYPES, ContextStore, prompt_ids
     from ..store_cli import load_model_and_tokenizer
 
+    if cfg.dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {cfg.dtype!r}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    model, tok = load_model_and_tokenizer(cfg.model)
+    model, tok = load_model_and_tokenizer(cfg.model, dtype=MODEL_DTYPES[cfg.dtype])
     log(
         f"model {cfg.model} loaded in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}"
     )
@@ -216,7 +228,8 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"# cepe bench-store ({result['machine']})",
         "",
         f"Question: {result['question_tokens']} tokens; cross-attention cache while producing the first token: "
-        f"`{result['config']['cache']}`; store dtype {b['store_dtype']}.",
+        f"`{result['config']['cache']}`; model dtype {result['config'].get('dtype', 'fp32')} (every path); "
+        f"store dtype {b['store_dtype']}.",
         "",
         "| context tokens | TTFT stored (cold) | stored (warm) | re-encode | full prefill | re-encode / stored | full / stored | same first token |",
         "|---|---|---|---|---|---|---|---|",
@@ -239,6 +252,23 @@ def format_markdown(result: dict[str, Any]) -> str:
         + " of K/V).",
         "",
     ]
+    differ = [str(r["tokens"]) for r in result["rows"] if not r["first_token_same"]]
+    if differ:
+        model_dtype = result["config"].get("dtype", "fp32")
+        if b["store_dtype"] != model_dtype:
+            why = (
+                f"the stored Φ is rounded to {b['store_dtype']} and read back into the {model_dtype} model, which "
+                "can flip a near-tie between the two most likely tokens"
+            )
+        else:
+            why = (
+                f"unexpected: the store keeps Φ in the model's dtype ({model_dtype}), so the stored and re-encoded "
+                "states are the same numbers"
+            )
+        lines += [
+            f"The first token differs between the stored and re-encoded runs at {', '.join(differ)} tokens: {why}.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -253,6 +283,7 @@ def _cmd(args: argparse.Namespace) -> int:
         model=args.model,
         lengths=args.lengths,
         full_max_tokens=args.full_max_tokens,
+        dtype=args.dtype,
         store_dtype=args.store_dtype,
         cache=args.cache,
         threads=args.threads,
@@ -271,6 +302,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=d.model)
     p.add_argument("--lengths", type=int, nargs="+", default=d.lengths)
     p.add_argument("--full-max-tokens", type=int, default=d.full_max_tokens)
+    p.add_argument(
+        "--dtype",
+        choices=sorted(MODEL_DTYPES),
+        default=d.dtype,
+        help="model dtype for all three paths (bf16: much faster full prefill on CPUs with bf16 units)",
+    )
     p.add_argument("--store-dtype", choices=["bf16", "fp32", "fp16"], default=d.store_dtype)
     p.add_argument("--cache", choices=["kv", "states", "absorbed"], default=d.cache)
     p.add_argument("--threads", type=int, default=d.threads)
