@@ -243,7 +243,9 @@ def test_warmup_layout_and_noise_off_for_ceped(tmp_path):
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     if path.parent.name == "recipe":  # named variants of the recipe ablation and its long run
-        assert cfg.bf16 is True and cfg.stage == ("cepe" if path.stem == "long_cepe" else "warmup")
+        assert cfg.bf16 is True and cfg.stage == (
+            "cepe" if path.stem.startswith(("long_cepe", "long_mixed")) else "warmup"
+        )
         if cfg.stage == "warmup":
             assert cfg.encoder_init in ("decoder", "random") and cfg.data.shuffle > 0
         else:  # the second stage starts from the long warmup's checkpoint

@@ -240,7 +240,7 @@ def test_mixed_stage_validation_and_fingerprint(tmp_path):
     assert base.fingerprint() == load_config({**plain, "copy_shuffle": 0.0}).fingerprint()
     assert _mixed(tmp_path).fingerprint() != _mixed(tmp_path, copy_shuffle=0.5).fingerprint()
     for over, msg in (
-        ({"tasks": {"lm": 1, "qa": 1}}, "tasks must map"),
+        ({"tasks": {"lm": 1, "passkey": 1}}, "tasks must map"),
         ({"tasks": {"lm": 0}}, "not all zero"),
         ({"recall_span": [4, 40]}, "must fit"),
         ({"recall_span": [5, 4]}, "recall_span"),
@@ -271,3 +271,40 @@ def test_mixed_stage_trains_and_resumes_exactly(tmp_path):
     shutil.rmtree(tmp_path / "again" / "checkpoints" / "step_000004")  # as if stopped after step 2
     resumed = read_log(train(again, resume=True))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in log]
+
+
+def test_mixed_stage_qa_examples(tmp_path):
+    """qa: facts planted in the encoder, a question then the restated fact in the decoder; only the
+    answer is scored and its tokens' attention targets hold the planted copies (bytes on a tiny decoder)."""
+    from cepe.training.data import example_task
+    from cepe.training.synthetic_qa import ByteCodec
+
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))["tiny_decoder"]
+    cfg = _mixed(
+        tmp_path,
+        tiny_decoder={**d, "vocab_size": 259},
+        n_decoder=160,
+        chunk_length=64,
+        n_chunks=4,
+        tasks={"qa": 1.0},
+        data={"synthetic": "random", "synthetic_vocab": 256},
+    )
+    src = window_source(cfg, 259)
+    for i in range(5):
+        assert example_task(cfg, i) == "qa"
+        ex = build_example(cfg, src[i], i, None)
+        dec, labels, align = ex["input_ids"], ex["labels"], ex["align_targets"]
+        flat = ex["encoder_input_ids"].flatten()
+        assert dec.shape == (160,) and flat.shape == (256,)
+        scored = (labels != -100).nonzero().flatten()
+        answer = bytes(dec[scored].tolist()).decode()
+        asked = bytes(dec[: scored[0]].tolist()).decode(errors="replace").rsplit("\n\n", 1)[1]
+        assert answer.endswith(".") and asked.endswith("?")
+        assert "\n" + answer + "\n" in bytes(flat.tolist()).decode(errors="replace")  # planted on its line
+        pos = (align >= 0).nonzero().flatten()
+        assert pos.tolist() == (scored - 1).tolist()  # every answer token reads its planted copy
+        assert torch.equal(flat[align[pos]], dec[pos + 1])
+    assert ByteCodec().encode("é") == [195, 169]
+    small = _mixed(tmp_path, tasks={"qa": 1.0}, n_decoder=160, chunk_length=64, n_chunks=4)
+    with pytest.raises(ValueError, match="vocab_size >= 256"):  # the tiny config's 128 ids
+        build_example(small, src[0], 0, None)

@@ -20,7 +20,7 @@ from .losses import KL_FORMS
 
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
-TASK_KINDS = ("lm", "copy", "recall")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
+TASK_KINDS = ("lm", "copy", "recall", "qa")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
 # Fields that change how fast or how safely a run goes but not its losses: left out of the fingerprint.
 RUN_CONTROL_FIELDS = ("reference_path", "save_every_minutes", "snapshot_dir", "profile_steps", "peak_seconds")
 
@@ -134,9 +134,10 @@ class TrainConfig:
             as K chunks to the encoder (paper 4096 + 16×256).
         chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
             that the student sees what the teacher saw).
-        tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c}``, the shares of the
-            three example kinds of :func:`cepe.training.data.mixed_example` (CEPE continuation, span copy,
-            cued recall), all in the CEPE layout; None = the paper's CEPE examples only.
+        tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d}``, the shares
+            of the example kinds of :func:`cepe.training.data.mixed_example` (CEPE continuation, span copy,
+            cued recall, questions about facts planted in the context), all in the CEPE layout; None = the
+            paper's CEPE examples only.
         copy_shuffle: mixed stage: the fraction of copy examples whose encoder tokens are permuted.
         recall_cue, recall_span: mixed stage: cue tokens and ``[min, max]`` recalled tokens of a recall
             example.

@@ -209,6 +209,8 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
       from a seeded place of the encoder, then the s tokens that follow the cue there
       (``recall_cue``, ``recall_span``): it must notice the cue, find it among the chunks and read on. The
       cue is not a loss target (it cannot be predicted); the span is.
+    - ``qa``: facts planted in the encoder's text, a question about one at the end of the decoder, the
+      answer scored (:mod:`cepe.training.synthetic_qa`).
 
     ``task``: the kind's index in ``TASK_KINDS`` (the trainer logs the loss of each kind).
     ``align_targets`` ``(n,)``: for copied tokens, the flat encoder position of the token each decoder
@@ -242,6 +244,14 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         if span < n:  # a decoder longer than the encoder: the rest is not a target
             labels[span:] = -100
         align[: span - 1] = torch.arange(start + 1, start + span)
+    elif kind == "qa":
+        import random
+
+        from .synthetic_qa import qa_example
+
+        r = random.Random(int(example_generator(seed, _TASK_TAG, index).initial_seed()))
+        tiny = None if cfg.tiny_decoder is None else int(cfg.tiny_decoder.get("vocab_size", 0))
+        enc, dec, labels, align = qa_example(enc, dec, r, cfg.decoder, tiny)
     else:  # recall
         cue = int(cfg.recall_cue)
         lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])

@@ -1,0 +1,195 @@
+"""Synthetic question answering from the encoder: facts planted in the context, a question in the decoder.
+
+The ``qa`` examples of a mixed CEPE stage (:func:`cepe.training.data.mixed_example`) teach the adapter to
+answer from what it reads, not only to continue it: one to four generated facts ("The home town of Mara
+Lindqvist is Tallinn.") are planted at random places of the encoder's text; the decoder holds the end of
+the window's own text, then a question about one of the facts, in the decoder's chat template when it has
+one, and the answer, which restates the fact. Only the answer is scored, and each answer token that
+repeats a fact token gets that token's encoder position as its attention target.
+
+Facts are drawn from small word lists by a seeded ``random.Random``: entity × attribute × value gives
+millions of combinations, so answers cannot be memorised; none of the templates is an evaluation's.
+
+Shape legend: K chunks, L chunk length, n decoder tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FIRST = (
+    "Mara Jonas Ilse Tomas Wren Odile Priya Kofi Anselm Yuki Dario Lena Hugo Nadia Emil Sanna Oskar Rhea "
+    "Teodor Ines Felix Amara Bruno Clio Ravi Esme Lucan Mireille Tobias Zora Idris Hana Viggo Noor Caspar "
+    "Greta Matteo Sibyl Rafael Ottilie"
+).split()
+LAST = (
+    "Lindqvist Okafor Brandt Moreau Castellanos Nakamura Halloran Petrescu Varga Olsen Delacroix Abernathy "
+    "Kowalczyk Ferreira Hartmann Quist Salazar Yilmaz Eriksen Dubois Mbeki Novak Rasmussen Thorne Vidal "
+    "Achterberg Lindgren Sato Oyelaran Beaumont"
+).split()
+THINGS = (
+    "lighthouse observatory bakery library greenhouse workshop museum orchard vineyard harbour bridge "
+    "monastery laboratory theatre garden mill archive"
+).split()
+PLACES = (
+    "Tallinn Porto Ghent Bergen Lucerne Cusco Hobart Kraków Valparaíso Tromsø Zanzibar Galway Kyoto Fez "
+    "Ljubljana Quebec Tbilisi Oaxaca Dunedin Bruges"
+).split()
+COLORS = "crimson teal amber violet ochre indigo emerald scarlet cobalt ivory maroon turquoise".split()
+FOODS = (
+    "lentil soup plum dumplings smoked trout saffron rice walnut bread fig jam roasted chestnuts "
+    "lemon cake barley stew apricot tart"
+).split()
+FOODS = [" ".join(FOODS[i : i + 2]) for i in range(0, len(FOODS), 2)]
+OBJECTS = (
+    "a brass compass|a green umbrella|an old violin|a silver key|a wooden chess set|a red notebook|"
+    "a glass marble|a paper kite|a copper kettle|a blue scarf|a pocket watch|a clay pot"
+).split("|")
+
+
+@dataclass
+class Fact:
+    """One planted fact: its sentence, the question about it and the answer (the fact restated)."""
+
+    fact: str
+    question: str
+    answer: str
+
+
+def _person(r: random.Random) -> str:
+    return f"{r.choice(FIRST)} {r.choice(LAST)}"
+
+
+def _number(r: random.Random) -> str:
+    return str(r.randint(10**3, 10**7 - 1))
+
+
+def make_fact(r: random.Random) -> Fact:
+    """A random fact with its question; the answer repeats the fact word for word."""
+    kind = r.randrange(6)
+    p = _person(r)
+    if kind == 0:
+        v = r.choice(PLACES)
+        s = f"The home town of {p} is {v}."
+        return Fact(s, f"What is the home town of {p}?", s)
+    if kind == 1:
+        v = r.choice(COLORS)
+        s = f"{p}'s favourite colour is {v}."
+        return Fact(s, f"What is {p}'s favourite colour?", s)
+    if kind == 2:
+        thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}"
+        v = _number(r)
+        s = f"The access code for {thing} is {v}."
+        return Fact(s, f"What is the access code for {thing}?", s)
+    if kind == 3:
+        v = r.choice(FOODS)
+        s = f"Every Sunday {p} cooks {v}."
+        return Fact(s, f"What does {p} cook every Sunday?", s)
+    if kind == 4:
+        v = r.choice(OBJECTS)
+        s = f"{p} keeps {v} in the attic."
+        return Fact(s, f"What does {p} keep in the attic?", s)
+    v = _number(r)
+    s = f"The number of books owned by {p} is {v}."
+    return Fact(s, f"How many books does {p} own?", s)
+
+
+class ByteCodec:
+    """A tokenizer stand-in for tiny random decoders (ids = UTF-8 bytes); needs a vocabulary of 256."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(decoder: str, tiny_vocab: int | None) -> Any:
+    if tiny_vocab is not None:
+        if tiny_vocab < 256:
+            raise ValueError(
+                f"qa examples on a tiny decoder spell text in bytes and need vocab_size >= 256, got {tiny_vocab}"
+            )
+        return ByteCodec()
+    from cepe.assets import load_tokenizer
+
+    return load_tokenizer(decoder)
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_parts(decoder: str, tiny_vocab: int | None) -> tuple[list[int], list[int]]:
+    """Token ids before and after the user's message in the decoder's chat template (empty without one)."""
+    tok = _tokenizer(decoder, tiny_vocab)
+    if not getattr(tok, "chat_template", None):
+        return [], []
+    marker = "\x00BODY\x00"
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    before, after = text.split(marker, 1)
+    return tok.encode(before, add_special_tokens=False), tok.encode(after, add_special_tokens=False)
+
+
+def qa_example(
+    enc: torch.Tensor,
+    dec: torch.Tensor,
+    r: random.Random,
+    decoder: str,
+    tiny_vocab: int | None = None,
+    max_facts: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
+
+    Returns:
+        ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
+        ``align[t]`` is the flat encoder position of the copy of token ``t + 1`` (-1 where there is none).
+
+    Raises:
+        ValueError: the decoder is too short for the chat template, question and answer.
+    """
+    tok = _tokenizer(decoder, tiny_vocab)
+    facts = [make_fact(r) for _ in range(r.randint(1, max_facts))]
+    asked = r.randrange(len(facts))
+    stream = enc.reshape(-1).tolist()
+    m = len(stream)
+    nl = tok.encode("\n", add_special_tokens=False)
+    fact_ids = [tok.encode(f.fact, add_special_tokens=False) for f in facts]  # each planted on its own line
+    # plant the facts at sorted random places, then cut the stream back to K·L tokens
+    planted = sum(len(ids) + 2 * len(nl) for ids in fact_ids)
+    spots = sorted(r.randrange(0, max(1, m - planted)) for _ in facts)
+    out, prev, where = [], 0, {}
+    for i, (spot, ids) in enumerate(zip(spots, fact_ids)):
+        out += stream[prev:spot] + nl
+        where[i] = len(out)
+        out += ids + nl
+        prev = spot
+    out += stream[prev:]
+    out = out[:m]
+    pos = where[asked]
+    before, after = _chat_parts(decoder, tiny_vocab)
+    question = tok.encode("\n\n" + facts[asked].question, add_special_tokens=False)
+    answer = fact_ids[asked]  # the fact restated, token for token
+    eos = getattr(tok, "eos_token_id", None)
+    end = [int(eos)] if eos is not None else []  # then the end of the turn
+    n = dec.shape[-1]
+    room = n - len(before) - len(question) - len(after) - len(answer) - len(end)
+    if room < 1:
+        raise ValueError(
+            f"qa examples need more than {n - room} decoder tokens (chat template, question, answer); "
+            f"raise n_decoder (got {n})"
+        )
+    tail = dec[:room].tolist()
+    ids = before + tail + question + after + answer + end
+    labels = [-100] * (n - len(answer) - len(end)) + answer + end
+    align = [-1] * n
+    start = n - len(answer) - len(end)
+    for j in range(len(answer)):  # position start-1+j predicts answer token j, whose copy is at pos+j
+        if pos + j < m:
+            align[start - 1 + j] = pos + j
+    new_enc = torch.tensor(out, dtype=enc.dtype).reshape(enc.shape)
+    return new_enc, torch.tensor(ids, dtype=dec.dtype), torch.tensor(labels), torch.tensor(align)
