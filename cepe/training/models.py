@@ -35,12 +35,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def build_decoder(cfg: TrainConfig, name: str | None = None) -> nn.Module:
     """The frozen decoder: a tiny random Llama from ``cfg.tiny_decoder`` or a loaded model (eval mode)."""
     if cfg.tiny_decoder is not None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from cepe.tiny import random_decoder
 
         spec = dict(cfg.tiny_decoder)
         seed = int(spec.pop("seed", 0))
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**spec)).eval()
+        model = random_decoder("llama", seed, **spec)
         model.config._name_or_path = "tiny"
         return model.to(_DTYPES[cfg.decoder_dtype])
     from cepe.assets import load_decoder_model
