@@ -220,11 +220,9 @@ class CepeConfig:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the config as JSON (atomically)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        from .fileio import write_json
+
+        write_json(path, self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CepeConfig:
@@ -307,3 +305,8 @@ def encoder_config_from_decoder(
         rope_theta=_rope_theta(decoder_config),
         causal=bool(causal),
     )
+
+
+def is_adapter_key(name: str) -> bool:
+    """True for parameter names CEPE adds: ``encoder.*`` and ``*.cross_attn.*`` (the trainable set)."""
+    return name.startswith("encoder.") or ".cross_attn." in name

@@ -8,8 +8,8 @@ message that names the key and the file. Override values are parsed as YAML (``-
 without importing torch.
 
 Type rules (the field annotations are read as strings, ``from __future__ import annotations``):
-``bool`` fields take only ``true``/``false``; ``int`` and ``float`` fields take numbers or numeric strings
-(YAML reads ``1e-3`` as text) and become that number type (an ``int`` field rejects ``1.5``); ``str`` fields
+``bool`` fields take only ``true``/``false``; ``int`` and ``float`` fields take numbers, numeric strings
+(YAML reads ``1e-3`` as text) or ``true``/``false`` (1 / 0) and become that number type (an ``int`` field rejects ``1.5``); ``str`` fields
 take strings; ``list[...]`` / ``tuple[...]`` fields take lists, ``dict[...]`` fields mappings; ``Literal[...]``
 fields one of the listed values; ``X | None`` also ``null``. Anything else is passed through unchecked.
 """
@@ -143,9 +143,7 @@ def _coerce(kind: str, value: Any, key: str) -> Any:
             raise ValueError(f"{key} must be true or false, got {value!r}")
         return value
     if base in ("int", "float"):
-        if isinstance(value, bool):
-            raise ValueError(f"{key} must be a number ({base}), got {value!r}")
-        try:
+        try:  # true / false count as 1 / 0 (e.g. ``data.shuffle: true`` = every window)
             number = float(value) if base == "float" else int(value)
         except (TypeError, ValueError):
             raise ValueError(f"{key} must be a number ({base}), got {value!r}") from None

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..chunking import chunk_ids
+from ..fileio import write_text
 from .config import StoreBenchConfig
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -188,8 +189,8 @@ def run_store_bench(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
-        _write_atomic(out / "bench_store.md", format_markdown(result))
+        write_text(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
+        write_text(out / "bench_store.md", format_markdown(result))
     return result
 
 
@@ -242,9 +243,3 @@ def format_markdown(result: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

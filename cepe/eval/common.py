@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from cepe.eval.methods import METHODS, Method, build_method
+from cepe.eval.methods import METHODS, Method
+from cepe.eval.registry import build_method
 from cepe.measure import Meter
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from cepe.config import check as _check
 from cepe.configio import apply_overrides, read_config_file
 from cepe.configio import build as _build
+from cepe.fileio import write_json
 
 from .losses import KL_FORMS
 
@@ -405,11 +406,7 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json(path, self.to_dict(), indent=2, sort_keys=True)
 
 
 def load_config(
