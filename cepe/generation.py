@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +28,22 @@ def load_model(model: str, dtype: torch.dtype = torch.float32):
         return m.eval(), load_tokenizer(tok_source), False
     m = CepeForCausalLM.from_decoder(model, dtype=dtype)
     return m.eval(), load_tokenizer(model), True
+
+
+def load_model_and_tokenizer(name: str, dtype=None):
+    """``(model, tokenizer)`` for a ``--model`` argument: what :func:`load_model` takes, or ``tiny`` (the
+    deterministic tiny model of :func:`cepe.tiny.tiny_model`); the model in ``dtype`` (default fp32). Says
+    on stderr when the encoder is untrained."""
+    dtype = torch.float32 if dtype is None else dtype
+    if name == "tiny":
+        from .tiny import tiny_model
+
+        model, tok = tiny_model()
+        return model.to(dtype), tok
+    model, tok, fresh = load_model(name, dtype=dtype)
+    if fresh:
+        print("note: untrained CEPE encoder (no adapter given): the context cannot help yet", file=sys.stderr)
+    return model, tok
 
 
 def _is_released(path: Path) -> bool:

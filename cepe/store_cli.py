@@ -17,30 +17,13 @@ from dataclasses import asdict
 from .serve_config import LOOPBACK, ServeLimits
 
 
-def load_model_and_tokenizer(name: str, dtype=None):
-    """``(model, tokenizer)`` for ``--model`` (see the module docstring), the model in ``dtype`` (a torch
-    dtype; default fp32)."""
-    import torch
-
-    dtype = torch.float32 if dtype is None else dtype
-    if name == "tiny":
-        from .tiny import tiny_model
-
-        model, tok = tiny_model()
-        return model.to(dtype), tok
-    from .generation import load_model
-
-    model, tok, fresh = load_model(name, dtype=dtype)
-    if fresh:
-        print("note: untrained CEPE encoder (no adapter given): the context cannot help yet", file=sys.stderr)
-    return model, tok
-
-
 def _open(args: argparse.Namespace, with_model: bool):
     from .store import ContextStore
 
     if not with_model:
         return ContextStore(args.store)
+    from .generation import load_model_and_tokenizer
+
     model, tok = load_model_and_tokenizer(args.model)
     return ContextStore(args.store, model, tok, dtype=getattr(args, "dtype", "bf16"))
 
@@ -181,6 +164,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"--host {args.host} is reachable from other machines: set CEPE_API_KEY to require a bearer token "
             "(or pass --no-auth to serve without one)"
         )
+    from .generation import load_model_and_tokenizer
+
     model, tok = load_model_and_tokenizer(args.model)
     store = ContextStore(args.store, model, tok, dtype=args.dtype)
     name = args.model_name or os.path.basename(os.path.normpath(args.model))

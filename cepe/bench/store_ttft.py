@@ -95,8 +95,8 @@ def run_store_bench(
     Returns:
         ``{"config", "machine", "rows", "bytes"}``; also written to ``out_dir/bench_store.{json,md}``.
     """
+    from ..generation import load_model_and_tokenizer
     from ..store import STORE_DTYPES, ContextStore, prompt_ids
-    from ..store_cli import load_model_and_tokenizer
 
     if cfg.dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {cfg.dtype!r}")
