@@ -1,22 +1,32 @@
-"""cepe: Context Expansion with Parallel Encoding for Hugging Face decoder-only language models."""
+"""cepe: Context Expansion with Parallel Encoding for Hugging Face decoder-only language models.
 
-from .config import CepeConfig, EncoderConfig, default_encoder_config
-from .cross_attention import CrossAttention, CrossContext
-from .encoder import ContextEncoder, EncoderForMaskedLM
-from .modeling import CepeForCausalLM
-from .wrapping import DecoderFamily, register_family
+Names are imported lazily so that ``cepe --help`` (and any light submodule) does not pay for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CepeConfig",
-    "CepeForCausalLM",
-    "ContextEncoder",
-    "CrossAttention",
-    "CrossContext",
-    "DecoderFamily",
-    "EncoderConfig",
-    "EncoderForMaskedLM",
-    "default_encoder_config",
-    "register_family",
-]
+_EXPORTS = {
+    "CepeConfig": "config",
+    "EncoderConfig": "config",
+    "default_encoder_config": "config",
+    "CrossAttention": "cross_attention",
+    "CrossContext": "cross_attention",
+    "ContextEncoder": "encoder",
+    "EncoderForMaskedLM": "encoder",
+    "CepeForCausalLM": "modeling",
+    "DecoderFamily": "wrapping",
+    "register_family": "wrapping",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"cepe.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'cepe' has no attribute {name!r}")

@@ -1,59 +1,39 @@
 """The ``cepe`` command line: a thin dispatcher over typed library functions.
 
-Each subsystem module listed in ``_COMMAND_MODULES`` exposes ``register(subparsers)`` that adds its
-sub-commands; a sub-command's ``func(args)`` calls the library function and returns an exit code.
+Each command module below exposes ``register(subparsers)`` that adds its sub-commands; a sub-command's
+``func(args)`` imports the library it needs and returns an exit code. Command modules import no torch or
+transformers at module level, so ``cepe --help`` and ``cepe <command> --help`` stay fast
+(``tests/test_cli_light.py`` checks it).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 
-_COMMAND_MODULES = (
-    "cepe.commands",
-    "cepe.data.cli",
-    "cepe.training.cli",
-    "cepe.eval.cli",
-    "cepe.bench",
-    "cepe.main_job",
-    "cepe.store_cli",
-    "cepe.server",
-    "cepe.bench.store_ttft",
-)
+from cepe import commands, main_job, store_cli
+from cepe.bench import cli as bench_cli
+from cepe.cliutil import run
+from cepe.data import cli as data_cli
+from cepe.eval import cli as eval_cli
+from cepe.training import cli as training_cli
+
+COMMAND_MODULES = (commands, data_cli, training_cli, eval_cli, bench_cli, main_job, store_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser with every available sub-command registered."""
+    """The full argument parser with every sub-command registered."""
     parser = argparse.ArgumentParser(
         prog="cepe", description="Context Expansion with Parallel Encoding for Hugging Face decoders."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name is not None and name.startswith(err.name):
-                continue  # subsystem not present in this build
-            raise
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(sub)
+    for module in COMMAND_MODULES:
+        module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     """Entry point of the ``cepe`` executable (or of a sub-tool that passes its own ``parser``)."""
-    parser = parser or build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"cepe {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    return run(parser or build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ INIT_MODES = ("zero", "copy", "gate")
 SCORE_SCALINGS = ("none", "yarn")
 
 
-def _check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
+    """Raise ``ValueError(msg)`` unless ``cond`` (the configs' validation helper)."""
     if not cond:
         raise ValueError(msg)
 
@@ -52,7 +53,7 @@ class EncoderConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
-            _check(
+            check(
                 self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0,
                 f"encoder hidden_size {self.hidden_size} must be divisible by num_attention_heads "
                 f"{self.num_attention_heads} (or give head_dim)",
@@ -71,17 +72,15 @@ class EncoderConfig:
             "num_attention_heads",
             "intermediate_size",
         ):
-            _check(
-                int(getattr(self, name)) > 0, f"encoder {name} must be positive, got {getattr(self, name)}"
-            )
-        _check(
+            check(int(getattr(self, name)) > 0, f"encoder {name} must be positive, got {getattr(self, name)}")
+        check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"encoder num_attention_heads {self.num_attention_heads} must be a multiple of "
             f"num_key_value_heads {self.num_key_value_heads}",
         )
-        _check(self.head_dim % 2 == 0, f"encoder head_dim must be even for RoPE, got {self.head_dim}")
+        check(self.head_dim % 2 == 0, f"encoder head_dim must be even for RoPE, got {self.head_dim}")
         if self.mask_token_id is not None:
-            _check(
+            check(
                 0 <= self.mask_token_id < self.vocab_size,
                 f"mask_token_id {self.mask_token_id} outside the encoder vocabulary ({self.vocab_size})",
             )
@@ -145,40 +144,40 @@ class CepeConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field and its allowed values."""
-        _check(self.chunk_length > 0, f"chunk_length must be positive, got {self.chunk_length}")
-        _check(self.init_mode in INIT_MODES, f"init_mode must be one of {INIT_MODES}, got {self.init_mode!r}")
-        _check(
+        check(self.chunk_length > 0, f"chunk_length must be positive, got {self.chunk_length}")
+        check(self.init_mode in INIT_MODES, f"init_mode must be one of {INIT_MODES}, got {self.init_mode!r}")
+        check(
             self.attn_implementation in ATTN_IMPLS,
             f"attn_implementation must be one of {ATTN_IMPLS}, got {self.attn_implementation!r}",
         )
-        _check(
+        check(
             self.cross_attention_cache in CACHE_MODES,
             f"cross_attention_cache must be one of {CACHE_MODES}, got {self.cross_attention_cache!r}",
         )
-        _check(
+        check(
             self.score_scaling in SCORE_SCALINGS,
             f"score_scaling must be one of {SCORE_SCALINGS}, got {self.score_scaling!r}",
         )
         if self.score_scaling != "none":
-            _check(
+            check(
                 bool(self.train_context_tokens) and self.train_context_tokens > 0,
                 "score_scaling needs train_context_tokens (encoder tokens per training example)",
             )
-        _check(self.encoder_micro_batch > 0, "encoder_micro_batch must be positive")
-        _check(
+        check(self.encoder_micro_batch > 0, "encoder_micro_batch must be positive")
+        check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,
             "give either cross_attention_layers or num_cross_attn_layers, not both",
         )
         if self.num_cross_attn_layers is not None:
-            _check(self.num_cross_attn_layers > 0, "num_cross_attn_layers must be positive")
+            check(self.num_cross_attn_layers > 0, "num_cross_attn_layers must be positive")
         if self.decoder_vocab_size is not None and self.share_embeddings:
-            _check(
+            check(
                 self.encoder.vocab_size == self.decoder_vocab_size,
                 f"share_embeddings: the encoder reads the decoder's embedding table, so encoder.vocab_size "
                 f"must be the decoder's {self.decoder_vocab_size}, got {self.encoder.vocab_size}",
             )
         if self.decoder_vocab_size is not None:
-            _check(
+            check(
                 self.encoder.vocab_size in (self.decoder_vocab_size, self.decoder_vocab_size + 1),
                 f"vocabulary mismatch: the encoder has {self.encoder.vocab_size} tokens but the decoder "
                 f"{self.decoder_vocab_size}; the encoder must share the decoder's vocabulary (plus at most "
@@ -190,7 +189,7 @@ class CepeConfig:
         if self.cross_attention_layers is not None:
             idx = sorted(set(self.cross_attention_layers))
         elif self.num_cross_attn_layers is not None:
-            _check(
+            check(
                 self.num_cross_attn_layers <= num_decoder_layers,
                 f"num_cross_attn_layers {self.num_cross_attn_layers} exceeds the decoder's {num_decoder_layers} layers",
             )
@@ -198,7 +197,7 @@ class CepeConfig:
         else:
             idx = list(range(num_decoder_layers))
         bad = [i for i in idx if not 0 <= i < num_decoder_layers]
-        _check(not bad, f"cross_attention_layers {bad} outside the decoder's {num_decoder_layers} layers")
+        check(not bad, f"cross_attention_layers {bad} outside the decoder's {num_decoder_layers} layers")
         return idx
 
     def score_scale(self, context_tokens: float) -> float:
@@ -216,16 +215,14 @@ class CepeConfig:
     def from_dict(cls, data: dict[str, Any]) -> CepeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
-        _check(not unknown, f"unknown CepeConfig keys {unknown}; known keys are {sorted(known)}")
+        check(not unknown, f"unknown CepeConfig keys {unknown}; known keys are {sorted(known)}")
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the config as JSON (atomically)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        from .fileio import write_json
+
+        write_json(path, self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CepeConfig:
@@ -261,7 +258,7 @@ def _rope_theta(decoder_config: Any) -> float:
     theta = getattr(decoder_config, "rope_theta", None)
     params = getattr(decoder_config, "rope_parameters", None) or getattr(decoder_config, "rope_scaling", None)
     if isinstance(params, dict):
-        _check(
+        check(
             params.get("rope_type", params.get("type", "default")) == "default",
             f"an encoder built from the decoder needs plain RoPE; the decoder uses {params}",
         )
@@ -281,19 +278,17 @@ def encoder_config_from_decoder(
             activations), or more layers than the decoder has.
     """
     model_type = getattr(decoder_config, "model_type", None)
-    _check(
+    check(
         model_type in ENCODER_FROM_DECODER_FAMILIES,
         f"an encoder built from the decoder needs Llama-shaped layers ({ENCODER_FROM_DECODER_FAMILIES}); "
         f"got {model_type!r}: use a separate encoder (encoder config fields) instead",
     )
     for flag in ("attention_bias", "mlp_bias"):
-        _check(
-            not getattr(decoder_config, flag, False), f"the decoder uses {flag}; the encoder has no biases"
-        )
+        check(not getattr(decoder_config, flag, False), f"the decoder uses {flag}; the encoder has no biases")
     act = getattr(decoder_config, "hidden_act", "silu")
-    _check(act == "silu", f"the decoder's MLP uses {act!r}; the encoder's is SwiGLU (silu)")
+    check(act == "silu", f"the decoder's MLP uses {act!r}; the encoder's is SwiGLU (silu)")
     n_dec = int(decoder_config.num_hidden_layers)
-    _check(
+    check(
         0 < num_layers <= n_dec,
         f"encoder layers must be in 1..{n_dec} (the decoder's depth), got {num_layers}",
     )
@@ -310,3 +305,8 @@ def encoder_config_from_decoder(
         rope_theta=_rope_theta(decoder_config),
         causal=bool(causal),
     )
+
+
+def is_adapter_key(name: str) -> bool:
+    """True for parameter names CEPE adds: ``encoder.*`` and ``*.cross_attn.*`` (the trainable set)."""
+    return name.startswith("encoder.") or ".cross_attn." in name

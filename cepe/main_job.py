@@ -15,15 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADAPTER = REPO / "adapters" / "smollm2-135m-cepe"
 METHODS = ["cepe", "truncated", "full", "streamingllm", "replug"]
 
 
 def _load_config(path: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    cfg = yaml.safe_load(path.read_text()) or {}
+    """The task config (validated by ``run_task``) and its method options."""
+    from cepe.configio import read_config_file
+
+    cfg = read_config_file(path, allow_empty=True)
     cfg.update(overrides)
     return cfg, cfg.pop("methods", {}) or {}
 
@@ -47,9 +48,9 @@ def run_main(
     """
     import torch
 
-    from cepe.commands import generate_from_context
-    from cepe.eval.cli import load_setup, run_task
+    from cepe.eval.api import load_setup, run_task
     from cepe.eval.report import write_report
+    from cepe.generation import generate_from_context
 
     out = Path(out)
     config_dir = Path(config_dir)
@@ -81,7 +82,7 @@ def run_main(
     overrides = {"totals": [1024, 4096], "sequences_per_domain": 1} if quick else {}
     lm_cfg, lm_opts = _load_config(config_dir / "lm.yaml", overrides)
     setup.method_options = lm_opts
-    setup._cache.clear()
+    setup.reset_methods()
     lm = run_task("lm", setup, lm_cfg)
     lm.update(model=str(shown), config=lm_cfg, methods=METHODS)
     write_report(lm, out / "lm", x_key="total")
@@ -93,7 +94,7 @@ def run_main(
     nd_cfg, nd_opts = _load_config(config_dir / "needle.yaml", {"totals": [1024]} if quick else {})
     setup.methods = ["cepe", "truncated", "full"]
     setup.method_options = nd_opts
-    setup._cache.clear()
+    setup.reset_methods()
     needle = run_task("needle", setup, nd_cfg)
     needle.update(model=str(shown), config=nd_cfg, methods=setup.methods)
     write_report(needle, out / "needle", x_key="total")

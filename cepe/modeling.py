@@ -33,11 +33,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "cepe_config.json"
 
 
-def is_adapter_key(name: str) -> bool:
-    """True for parameter names CEPE adds: ``encoder.*`` and ``*.cross_attn.*`` (the trainable set)."""
-    return name.startswith("encoder.") or ".cross_attn." in name
-
-
 class CepeForCausalLM(nn.Module):
     """A decoder-only LM extended with CEPE.
 
@@ -548,9 +543,14 @@ class CepeForCausalLM(nn.Module):
             with open(config_file) as f:
                 raw = json.load(f)
             if "encoder_config" in raw or "LlamaForCausalContextLM" in raw.get("architectures", []):
-                from .official import load_official
+                from .official import read_official
 
-                return load_official(path, decoder=decoder, dtype=dtype)
+                decoder, cfg, adapter = read_official(path, decoder=decoder, dtype=dtype)
+                model = cls(decoder, cfg)
+                if dtype is not None:  # one rule with the adapter layout: every part in dtype
+                    model.to(dtype)
+                model.load_adapter_state_dict(adapter)
+                return model.eval()
         raise FileNotFoundError(
             f"{path} holds neither a cepe adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) nor a released "
             "CEPE checkpoint (config.json with encoder_config)"

@@ -16,8 +16,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .config import CepeConfig, EncoderConfig
-from .modeling import CepeForCausalLM, is_adapter_key
+from .config import CepeConfig, EncoderConfig, is_adapter_key
 
 # Keys the released config adds to LlamaConfig; they describe CEPE, not the decoder.
 CEPE_CONFIG_KEYS = (
@@ -101,10 +100,12 @@ def cepe_config_from_official(raw: dict, decoder_name_or_path: str | None = None
     )
 
 
-def load_official(
+def read_official(
     path: str | os.PathLike[str], decoder: nn.Module | str | None = None, dtype: torch.dtype | None = None
-) -> CepeForCausalLM:
-    """Build a :class:`CepeForCausalLM` from a released checkpoint directory.
+) -> tuple[nn.Module, CepeConfig, dict[str, torch.Tensor]]:
+    """Read a released checkpoint directory: ``(decoder, cepe config, adapter state dict)``, from which
+    :meth:`cepe.modeling.CepeForCausalLM.from_pretrained` builds the model (this module does not import
+    :mod:`cepe.modeling`, so the two do not import each other).
 
     Args:
         path: directory with ``config.json`` and the weights.
@@ -142,8 +143,4 @@ def load_official(
 
         cfg.decoder_name_or_path = str(decoder)
         decoder = load_decoder_model(decoder, dtype=dtype)
-    model = CepeForCausalLM(decoder, cfg)
-    if dtype is not None:  # one rule with CepeForCausalLM.from_pretrained: every part in dtype
-        model.to(dtype)
-    model.load_adapter_state_dict(adapter)
-    return model.eval()
+    return decoder, cfg, adapter

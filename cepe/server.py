@@ -28,50 +28,21 @@ request can name a path on disk.
 
 # No `from __future__ import annotations`: FastAPI reads the request models from the annotations of
 # handlers defined inside create_app, which must therefore be real objects, not strings.
-import argparse
 import asyncio
 import hmac
 import json
 import os
 import queue
-import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
+from .serve_config import LOOPBACK, ServeLimits
 from .store import ContextNotFound, ContextStore, CorruptContext, StoreError, check_id, prompt_ids
-
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-
-
-@dataclass
-class ServeLimits:
-    """Limits of ``cepe serve`` (all per request except ``max_queue``).
-
-    Attributes:
-        max_queue: requests that may wait for the model (beyond the one running); more get 429.
-        max_prompt_tokens: prompt tokens (after the chat template).
-        max_new_tokens: the largest ``max_tokens`` a request may ask for.
-        default_new_tokens: ``max_tokens`` when a request gives none.
-        max_upload_bytes: size of a ``POST /v1/contexts`` body.
-        max_context_tokens: context tokens attended to per request (beyond it: retrieval of chunks).
-        request_timeout_s: time from arrival to the last token (queue wait included).
-        shutdown_grace_s: how long a running request may continue after SIGTERM.
-    """
-
-    max_queue: int = 8
-    max_prompt_tokens: int = 4096
-    max_new_tokens: int = 512
-    default_new_tokens: int = 128
-    max_upload_bytes: int = 4 * 2**20
-    max_context_tokens: int = 131072
-    request_timeout_s: float = 300.0
-    shutdown_grace_s: float = 30.0
 
 
 class ServiceError(Exception):
@@ -855,65 +826,3 @@ def serve(
         server.run()
     finally:
         service.worker.stop()
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as err:
-        raise ValueError(
-            f"`cepe serve` needs the serve extra ({err.name} missing): pip install 'cepe[serve]'"
-        ) from err
-    from .store_cli import load_model_and_tokenizer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    limits = ServeLimits(
-        max_queue=args.max_queue,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_new_tokens=args.max_new_tokens,
-        default_new_tokens=min(args.default_new_tokens, args.max_new_tokens),
-        max_upload_bytes=args.max_upload_bytes,
-        max_context_tokens=args.max_context_tokens,
-        request_timeout_s=args.timeout,
-        shutdown_grace_s=args.shutdown_grace,
-    )
-    api_key = os.environ.get("CEPE_API_KEY") or None
-    if args.host not in LOOPBACK and not api_key and not args.no_auth:
-        raise ValueError(
-            f"--host {args.host} is reachable from other machines: set CEPE_API_KEY to require a bearer token "
-            "(or pass --no-auth to serve without one)"
-        )
-    model, tok = load_model_and_tokenizer(args.model)
-    store = ContextStore(args.store, model, tok, dtype=args.dtype)
-    name = args.model_name or os.path.basename(os.path.normpath(args.model))
-    print(f"cepe serve: {name} on http://{args.host}:{args.port} (limits {asdict(limits)})", file=sys.stderr)
-    serve(model, tok, store, args.host, args.port, limits, api_key, args.no_auth, name, args.log_level)
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``serve`` to the ``cepe`` command."""
-    d = ServeLimits()
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a context store")
-    p.add_argument("--model", default="default", help="CEPE adapter dir (as for `cepe generate`) or 'tiny'")
-    p.add_argument("--store", required=True, help="context store directory (created if missing)")
-    p.add_argument(
-        "--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="storage dtype of a new store"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--no-auth", action="store_true", help="allow a non-loopback host without CEPE_API_KEY")
-    p.add_argument("--model-name", default=None, help="model id reported to clients")
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens)
-    p.add_argument("--max-upload-bytes", type=int, default=d.max_upload_bytes)
-    p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens)
-    p.add_argument("--timeout", type=float, default=d.request_timeout_s, help="seconds per request")
-    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--log-level", default="warning")
-    p.set_defaults(func=_cmd_serve)

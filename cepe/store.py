@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from . import fileio
 from .chunking import chunk_ids
 from .training.runctl import pid_alive
 
@@ -145,20 +145,6 @@ def _content_hash(tensors: dict[str, torch.Tensor | np.ndarray]) -> str:
     for name in sorted(tensors):
         _sha256_tensor(h, name, tensors[name])
     return h.hexdigest()
-
-
-def _atomic_write_bytes(path: Path, data: bytes, tmp_dir: Path) -> None:
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def read_safetensors_mmap(
@@ -395,17 +381,26 @@ class ContextStore:
                     f"{mine[key]}); open it with the model that wrote it, or use a new --store"
                 )
 
+    def _staging(self) -> dict[str, Any]:
+        """Options of :func:`cepe.fileio.atomic_path` for the store's files: staged in ``tmp_dir`` under a
+        name with this process's id (so :meth:`_clean_tmp` can tell abandoned ones), ``fsync``-ed,
+        readable by the owner only."""
+        return {
+            "tmp_dir": self.tmp_dir,
+            "prefix": f".tmp-{os.getpid()}-",
+            "suffix": "",
+            "fsync": True,
+            "mode": 0o600,
+        }
+
     def _ensure_created(self) -> None:
         if self.info is not None:
             return
         info = {"format": STORE_FORMAT, "version": STORE_VERSION, "dtype": self.dtype, **self._model_info()}
         self.path.mkdir(parents=True, exist_ok=True)
         self.contexts_dir.mkdir(exist_ok=True)
-        _atomic_write_bytes(
-            self.path / "store.json",
-            (json.dumps(info, indent=2, sort_keys=True) + "\n").encode(),
-            self.tmp_dir,
-        )
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        fileio.write_json(self.path / "store.json", info, indent=2, sort_keys=True, **self._staging())
         self.info = info
 
     def _clean_tmp(self) -> None:
@@ -523,16 +518,8 @@ class ContextStore:
         }
         self.contexts_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", suffix=".safetensors", dir=self.tmp_dir)
-        os.close(fd)
-        try:
+        with fileio.atomic_path(self._file(cid), **{**self._staging(), "suffix": ".safetensors"}) as tmp:
             save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self._file(cid))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         return cid, True
 
     def add_paths(self, paths: Iterable[str | os.PathLike[str]], log=None) -> list[tuple[str, str, bool]]:

@@ -13,7 +13,7 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 
 from cepe.eval import harness
-from cepe.eval.cli import load_setup, run_task
+from cepe.eval.api import load_setup, run_task
 
 
 def main(tasks_dir: str) -> None:

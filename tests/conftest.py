@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
+from cepe.tiny import random_decoder
 
 VOCAB = 97
 
@@ -43,10 +43,7 @@ class _NoPythonPopen(subprocess.Popen):
 
 
 def tiny_decoder(family: str = "llama", seed: int = 0, **overrides):
-    """A 2-layer random decoder of the given family (fp32, eval mode)."""
-    from transformers import AutoConfig
-
-    torch.manual_seed(seed)
+    """A 3-layer random decoder of the given family (fp32, eval mode), built by :func:`cepe.tiny.random_decoder`."""
     kw = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -59,11 +56,7 @@ def tiny_decoder(family: str = "llama", seed: int = 0, **overrides):
     if family in ("gemma2", "gemma3_text", "qwen3"):
         kw["head_dim"] = 16
     kw.update(overrides)
-    if family == "llama":
-        cfg = LlamaConfig(**kw)
-        return LlamaForCausalLM(cfg).eval()
-    cfg = AutoConfig.for_model(family, **kw)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    return random_decoder(family, seed, **kw)
 
 
 def tiny_cepe_config(**overrides) -> CepeConfig:

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from cepe.bench import BenchConfig, config_from_args, register, run_benchmark
+from cepe.bench import BenchConfig, run_benchmark
+from cepe.bench.cli import config_from_args, register
 from cepe.bench.flops import CostModel, DecoderShape, causal_pairs, decoder_flops, encoder_flops
-from cepe.bench.memory import PeakRSS, tensor_bytes
 from cepe.bench.runner import (
     _new_cache,
     build_model,
@@ -23,6 +23,7 @@ from cepe.bench.runner import (
     full_prefill,
     random_ids,
 )
+from cepe.measure import PeakRSS, tensor_bytes
 
 # SmolLM2-135M (the default decoder) and the 4-layer, 256-wide encoder.
 SMOL = DecoderShape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
@@ -145,9 +146,9 @@ def test_end_to_end_in_process(tmp_path):
 
 @pytest.mark.multiproc
 def test_worker_subprocess_runs_one_setting(tmp_path):
-    from cepe.bench import _run_worker
+    from cepe.bench.api import run_worker
 
-    row = _run_worker(tiny_cfg(), {"kind": "prefill", "method": "cepe", "tokens": 96})
+    row = run_worker(tiny_cfg(), {"kind": "prefill", "method": "cepe", "tokens": 96})
     assert "error" not in row, row.get("error")
     assert row["peak_delta_bytes"] == max(0, row["peak_rss_bytes"] - row["rss_baseline_bytes"])
     cfg = tiny_cfg()
@@ -181,6 +182,13 @@ def test_cli_config_parsing(tmp_path):
         config_from_args(bad)
     with pytest.raises(ValueError, match="replug_piece"):
         BenchConfig(window=64, replug_piece=64).validate()
+    # unknown keys and wrong types name the key and the file
+    conf.write_text(json.dumps({"model": "tiny", "lenghts": [64]}))
+    with pytest.raises(ValueError, match=r"b\.json: unknown bench config keys \['lenghts'\]"):
+        config_from_args(parser.parse_args(["bench", "--config", str(conf)]))
+    conf.write_text(json.dumps({"model": "tiny", "window": "wide"}))
+    with pytest.raises(ValueError, match=r"b\.json: bench config\.window must be a number"):
+        config_from_args(parser.parse_args(["bench", "--config", str(conf)]))
 
 
 def test_shipped_configs_are_valid():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cepe.bench.store_ttft import StoreBenchConfig, _first_token_full, kv_bytes_per_token, run_store_bench
-from cepe.store_cli import tiny_model
+from cepe.tiny import tiny_model
 
 
 def test_chunked_full_prefill_matches_one_call_generate():

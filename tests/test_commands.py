@@ -12,8 +12,8 @@ from conftest import randomize_cross
 from cepe import CepeConfig, CepeForCausalLM, EncoderConfig
 from cepe.chunking import chunk_ids
 from cepe.cli import main
-from cepe.eval.testing import ByteTokenizer
-from cepe.eval.testing import tiny_decoder as byte_decoder
+from cepe.tiny import ByteTokenizer
+from cepe.tiny import tiny_decoder as byte_decoder
 
 
 @pytest.fixture
@@ -122,12 +122,12 @@ def test_main_job_end_to_end_on_a_tiny_setup(tmp_path, monkeypatch, capsys):
     truncated)."""
     import yaml
 
-    import cepe.eval.cli as eval_cli
+    import cepe.eval.api as eval_api
     import cepe.eval.common as common
     import cepe.main_job as job
 
-    real_load = eval_cli.load_setup
-    monkeypatch.setattr(eval_cli, "load_setup", lambda model, methods, **kw: real_load("tiny", methods, **kw))
+    real_load = eval_api.load_setup
+    monkeypatch.setattr(eval_api, "load_setup", lambda model, methods, **kw: real_load("tiny", methods, **kw))
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     docs = [
         {"id": f"d{i}", "text": " ".join(f"{words[(i + j) % 10]} {j}." for j in range(120)), "title": "t"}

@@ -4,7 +4,7 @@ import torch
 from cepe.eval.methods import DecoderMethod, Request, standard_request
 from cepe.eval.replug import Replug, mixture_weights
 from cepe.eval.streaming import StreamingLLM
-from cepe.eval.testing import tiny_decoder
+from cepe.tiny import tiny_decoder
 
 
 @pytest.fixture(scope="module")

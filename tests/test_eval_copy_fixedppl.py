@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cepe.eval.cli import load_setup, run_task
+from cepe.eval.api import load_setup, run_task
 from cepe.eval.tasks.copy import Config as CopyConfig
 from cepe.eval.tasks.copy import passages
 from cepe.eval.tasks.fixedppl import Config as FixedConfig

@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("cepe.modeling")
 
 from cepe.eval import harness  # noqa: E402
-from cepe.eval.cli import load_setup, run_task  # noqa: E402
+from cepe.eval.api import load_setup, run_task  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta".split()
 DOCS = [

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from cepe.eval.cli import load_setup, run_task
+from cepe.eval.api import load_setup, run_task
 from cepe.eval.report import write_report
 from cepe.eval.tasks import ruler
 
@@ -62,9 +62,9 @@ def setup():
 
 @pytest.fixture(scope="module")
 def builder(setup):
-    from cepe.eval.common import config_from_dict
+    from cepe.configio import build
 
-    return ruler.Builder(setup, config_from_dict(ruler.Config, _cfg()))
+    return ruler.Builder(setup, build(ruler.Config, _cfg()))
 
 
 @pytest.mark.parametrize("task", ruler.TASK_NAMES)

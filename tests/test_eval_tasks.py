@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cepe.eval.cli import load_setup, run_task
+from cepe.eval.api import load_setup, run_task
 from cepe.eval.report import write_report
 
 ALL = ["cepe", "full", "truncated", "streamingllm", "replug"]
@@ -202,7 +202,7 @@ def test_shipped_configs_parse():
 
     import yaml
 
-    from cepe.eval.common import config_from_dict
+    from cepe.configio import build
 
     files = sorted(glob.glob("configs/eval/*.yaml"))
     assert files
@@ -210,6 +210,6 @@ def test_shipped_configs_parse():
         data = yaml.safe_load(open(f))
         data.pop("methods", None)
         task = f.split("/")[-1].split(".")[0].split("_")[0]  # lm_paper, fixedppl_long -> the task
-        config_from_dict(importlib.import_module(f"cepe.eval.tasks.{task}").Config, data, f)
-    with pytest.raises(ValueError, match="unknown key"):
-        config_from_dict(importlib.import_module("cepe.eval.tasks.lm").Config, {"totalz": [1]})
+        build(importlib.import_module(f"cepe.eval.tasks.{task}").Config, data, f)
+    with pytest.raises(ValueError, match=r"unknown lm config keys \['totalz'\]"):
+        build(importlib.import_module("cepe.eval.tasks.lm").Config, {"totalz": [1]}, "lm config")

@@ -483,7 +483,7 @@ def _run_in_process(model, tok, tmp_path, limits, max_new_tokens: int) -> tuple[
 def test_request_time_limit_stops_generation(tmp_path):
     """In-process: a request past its time limit stops at the next token and says so."""
     from cepe.server import ServeLimits
-    from cepe.store_cli import tiny_model
+    from cepe.tiny import tiny_model
 
     model, tok = tiny_model()
     info, state = _run_in_process(model, tok, tmp_path, ServeLimits(request_timeout_s=0.3), 3000)
@@ -494,7 +494,7 @@ def test_request_time_limit_stops_generation(tmp_path):
 
 def test_end_of_sequence_finishes_with_stop(tmp_path):
     from cepe.server import ServeLimits
-    from cepe.store_cli import tiny_model
+    from cepe.tiny import tiny_model
 
     model, tok = tiny_model()
     ids = torch.tensor([tok.encode("Hello")])

@@ -21,7 +21,7 @@ from cepe.store import (
     context_id,
     read_safetensors_mmap,
 )
-from cepe.store_cli import tiny_model
+from cepe.tiny import tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 

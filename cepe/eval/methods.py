@@ -144,7 +144,8 @@ class Method:
         return set(self.eos_ids) | set(request.stop_ids)
 
 
-def _check_targets(r: Request) -> None:
+def check_targets(r: Request) -> None:
+    """Raise ``ValueError`` unless ``r`` scores between 1 and ``len(input_ids) - 1`` tokens."""
     if r.num_targets <= 0 or r.num_targets >= len(r.input_ids):
         raise ValueError(
             f"num_targets must be in [1, len(input_ids) - 1]; got {r.num_targets} for {len(r.input_ids)} "
@@ -189,7 +190,7 @@ class DecoderMethod(Method):
         for idx in _groups(requests, self.batch_size):
             group = [requests[i] for i in idx]
             for r in group:
-                _check_targets(r)
+                check_targets(r)
             ids = torch.tensor([r.input_ids for r in group], device=self.device)
             n_max = max(r.num_targets for r in group)
             with self.autocast():
@@ -270,48 +271,3 @@ class CepeMethod(DecoderMethod):
 
     def _call_generate(self, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.model.generate(ids, **kwargs)
-
-
-def build_method(
-    name: str,
-    decoder: torch.nn.Module,
-    cepe_model: torch.nn.Module | None = None,
-    options: dict[str, Any] | None = None,
-    **common: Any,
-) -> Method:
-    """Construct a method by name.
-
-    Args:
-        name: one of ``cepe, full, truncated, streamingllm, replug``.
-        decoder: the plain HF causal LM used by the baselines.
-        cepe_model: the CEPE model (required for ``cepe``).
-        options: method-specific settings (``streamingllm``: ``sink_tokens``, ``recent_tokens``, ``stride``;
-            ``replug``: ``temperature``; ``cepe``: ``chunk_length``).
-        common: ``eos_token_id``, ``pad_token_id``, ``autocast_dtype``, ``batch_size``.
-    """
-    options = dict(options or {})
-    if name == "cepe":
-        if cepe_model is None:
-            raise ValueError(
-                "method 'cepe' needs a CEPE model: pass --model <CEPE adapter dir> (or drop 'cepe' from --methods)"
-            )
-        return CepeMethod(cepe_model, chunk_length=options.get("chunk_length"), **common)
-    if name in ("full", "truncated"):
-        m = DecoderMethod(decoder, **common)
-        m.name = name
-        return m
-    if name == "streamingllm":
-        from cepe.eval.streaming import StreamingLLM
-
-        return StreamingLLM(
-            decoder,
-            sink_tokens=int(options.get("sink_tokens", 4)),
-            recent_tokens=int(options.get("recent_tokens", 2044)),
-            stride=int(options.get("stride", 2048)),
-            **common,
-        )
-    if name == "replug":
-        from cepe.eval.replug import Replug
-
-        return Replug(decoder, temperature=float(options.get("temperature", 1.0)), **common)
-    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cepe.eval.methods import DecoderMethod, Method, Request, _check_targets
+from cepe.eval.methods import DecoderMethod, Method, Request, check_targets
 
 
 def mixture_weights(num: int, scores: Sequence[float] | None, temperature: float = 1.0) -> torch.Tensor:
@@ -47,7 +47,7 @@ class Replug(Method):
     def score(self, requests: Sequence[Request]) -> list[torch.Tensor]:
         results = []
         for r in requests:
-            _check_targets(r)
+            check_targets(r)
             pieces = [p for p in r.context] or [[]]
             logw = mixture_weights(len(pieces), r.context_scores if r.context else None, self.temperature)
             sub = [Request(list(p) + r.input_ids, r.num_targets) for p in pieces]

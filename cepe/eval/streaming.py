@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from cepe.eval.methods import Method, Request, _check_targets, target_logprobs
+from cepe.eval.methods import Method, Request, check_targets, target_logprobs
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class StreamingLLM(Method):
     def score(self, requests: list[Request]) -> list[torch.Tensor]:
         results = []
         for r in requests:
-            _check_targets(r)
+            check_targets(r)
             ids = torch.tensor([r.input_ids], device=self.device)
             total, n = ids.shape[1], r.num_targets
             first_needed = total - n - 1  # the logit at position p predicts token p + 1

@@ -172,11 +172,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run these sub-commands without the rest of ``cepe`` (``python -m cepe.training.cli ...``)."""
-    from cepe.cli import main as cli_main
+    from cepe.cliutil import run
 
     parser = argparse.ArgumentParser(prog="cepe-train")
     register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return cli_main(argv, parser)
+    return run(parser, argv)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from cepe.config import _check
+from cepe.config import check as _check
+from cepe.configio import apply_overrides, read_config_file
+from cepe.configio import build as _build
+from cepe.fileio import write_json
 
 from .losses import KL_FORMS
 
@@ -405,90 +407,7 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    _check(not unknown, f"unknown {where} keys {unknown}; known keys are {sorted(known)}")
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.name not in data
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-    ]
-    _check(not missing, f"{where} is missing required keys {missing}")
-    data = {k: _coerce(cls, k, v, where) for k, v in data.items()}
-    try:
-        return cls(**data)
-    except TypeError as err:
-        raise ValueError(f"{where}: {err}") from err
-
-
-def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
-    """Numbers written as strings (YAML reads ``1e-3`` as text) become the field's number type."""
-    kind = str({f.name: f.type for f in dataclasses.fields(cls)}[name])
-    base = kind.replace(" | None", "")
-    if value is None or base not in ("float", "int", "bool"):
-        return value
-    if base == "bool":
-        _check(isinstance(value, bool), f"{where}.{name} must be true or false, got {value!r}")
-        return value
-    try:
-        number = float(value) if base == "float" else int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}.{name} must be a number ({base}), got {value!r}") from None
-    if base == "int" and isinstance(value, float) and value != number:
-        raise ValueError(f"{where}.{name} must be an integer, got {value!r}")
-    return number
-
-
-def _parse_value(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text)
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` strings (values parsed as YAML) to a raw config mapping."""
-    out = json.loads(json.dumps(data))
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value or section.key=value")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_value(value)
-    return out
-
-
-def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a YAML (``.yaml``/``.yml``) or JSON config file into a mapping."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {p} not found")
-    text = p.read_text(encoding="utf-8")
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{p}: a config must be a mapping of keys to values")
-    return data
+        write_json(path, self.to_dict(), indent=2, sort_keys=True)
 
 
 def load_config(
@@ -506,7 +425,9 @@ def load_config(
     Raises:
         ValueError: unknown keys, bad values or a stage mismatch (the message names the field).
     """
-    data = read_config_file(path) if not isinstance(path, dict) else dict(path)
+    source = None if isinstance(path, dict) else path
+    data = read_config_file(path) if source is not None else dict(path)
+    data = json.loads(json.dumps(data))  # plain JSON values (as the fingerprint sees them)
     data = apply_overrides(data, list(overrides or []))
     if stage is not None:
         if data.get("stage", stage) != stage:
@@ -515,4 +436,7 @@ def load_config(
                 "pass the matching --stage or config file"
             )
         data["stage"] = stage
-    return _build(TrainConfig, data, "config")
+    try:
+        return _build(TrainConfig, data, "config")
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}" if source is not None else str(err)) from err

@@ -19,6 +19,7 @@ from cepe.compute import resolve_bf16
 from cepe.config import CepeConfig, EncoderConfig, encoder_config_from_decoder
 from cepe.cross_attention import AlignProbe
 from cepe.encoder import EncoderForMaskedLM
+from cepe.fileio import atomic_path, write_json
 from cepe.modeling import CepeForCausalLM
 
 from .config import TrainConfig
@@ -35,12 +36,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def build_decoder(cfg: TrainConfig, name: str | None = None) -> nn.Module:
     """The frozen decoder: a tiny random Llama from ``cfg.tiny_decoder`` or a loaded model (eval mode)."""
     if cfg.tiny_decoder is not None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from cepe.tiny import random_decoder
 
         spec = dict(cfg.tiny_decoder)
         seed = int(spec.pop("seed", 0))
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**spec)).eval()
+        model = random_decoder("llama", seed, **spec)
         model.config._name_or_path = "tiny"
         return model.to(_DTYPES[cfg.decoder_dtype])
     from cepe.assets import load_decoder_model
@@ -88,11 +88,9 @@ def save_encoder(mlm: EncoderForMaskedLM, out_dir: str | Path) -> None:
     enc = {k: v.detach().contiguous() for k, v in mlm.encoder.state_dict().items()}
     full = {k: v.detach().contiguous() for k, v in mlm.state_dict().items()}
     for name, tensors in ((ENCODER_WEIGHTS, enc), (MLM_WEIGHTS, full)):
-        save_file(tensors, out / f".{name}.tmp", metadata={"format": "pt"})
-        (out / f".{name}.tmp").replace(out / name)
-    tmp = out / f".{ENCODER_CONFIG}.tmp"
-    tmp.write_text(json.dumps(mlm.encoder.config.__dict__, indent=2, sort_keys=True) + "\n")
-    tmp.replace(out / ENCODER_CONFIG)
+        with atomic_path(out / name) as tmp:
+            save_file(tensors, tmp, metadata={"format": "pt"})
+    write_json(out / ENCODER_CONFIG, mlm.encoder.config.__dict__, indent=2, sort_keys=True)
 
 
 def load_encoder_weights(model: CepeForCausalLM, path: str | Path) -> None:

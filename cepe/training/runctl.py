@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from cepe.fileio import write_json
+
 STATUS_FILE = "status.json"
 SNAPSHOT_FILE = "snapshot.json"
 DTYPE_NAMES = {True: "bfloat16", False: "float32"}
@@ -140,10 +142,8 @@ class Stopped(Exception):
 
 # ------------------------------------------------------------------------------------------ files
 def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Atomically write ``data`` as sorted, indented JSON (see :mod:`cepe.fileio`)."""
+    write_json(path, data, indent=2, sort_keys=True)
 
 
 def write_status(output_dir: str | Path, status: dict[str, Any]) -> None:

@@ -13,7 +13,6 @@ Shape legend: S examples per shard, n decoder tokens, k stored tokens, T = K·L 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cepe.compute import resolve_bf16
+from cepe.fileio import atomic_path, write_json
 from cepe.modeling import decoder_logits
 
 from .config import TrainConfig
@@ -93,9 +93,7 @@ def run_teacher(
             )
         manifest["num_examples"] = max(total, int(old.get("num_examples", 0)))
     if rank == 0:
-        tmp = root / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, mpath)
+        write_json(mpath, manifest, indent=2, sort_keys=True)
 
     dev = torch.device(device or "cpu")
     teacher = build_decoder(cfg, cfg.teacher_decoder).to(dev)
@@ -127,9 +125,8 @@ def run_teacher(
             probs.append(p.cpu())
             idx.append(i.cpu())
         out = _shard_path(root, j)
-        tmp = out.with_name(f".{out.name}.tmp")
-        save_file({"probs": torch.cat(probs), "indices": torch.cat(idx)}, tmp, metadata={"format": "pt"})
-        os.replace(tmp, out)
+        with atomic_path(out) as tmp:
+            save_file({"probs": torch.cat(probs), "indices": torch.cat(idx)}, tmp, metadata={"format": "pt"})
         bar.update(1)
     bar.close()
     return root

@@ -1,0 +1,104 @@
+"""The evaluation API: load a model bundle (:func:`load_setup`) and run a task on it (:func:`run_task`).
+
+``cepe eval`` (:mod:`cepe.eval.cli`), the main job, the lm-evaluation-harness model and the scripts all
+call these two functions. ``model`` is a CEPE adapter directory (``CepeForCausalLM.from_pretrained``),
+``default`` / a decoder directory or hub id (baselines only, unless ``cepe_init`` attaches an untrained
+adapter for smoke runs), or ``tiny`` (a random 2-layer model with a byte tokenizer, for smoke tests).
+
+Typical use::
+
+    from cepe.eval.api import load_setup, run_task
+    setup = load_setup("adapters/smollm2-135m-cepe", ["cepe", "truncated"])
+    result = run_task("lm", setup, {"totals": [4096]})
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cepe.configio import build
+from cepe.eval.common import EvalSetup
+from cepe.eval.tasks import TASKS
+from cepe.measure import seed_everything
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _is_cepe_dir(path: Path) -> bool:
+    if (path / "cepe_config.json").exists():
+        return True
+    cfg = path / "config.json"
+    if cfg.exists():
+        raw = json.loads(cfg.read_text())
+        return "encoder_config" in raw or "LlamaForCausalContextLM" in raw.get("architectures", [])
+    return False
+
+
+def load_setup(
+    model: str,
+    methods: list[str],
+    device: str = "cpu",
+    dtype: str = "fp32",
+    tokenizer: str | None = None,
+    cepe_init: bool = False,
+    **kwargs: Any,
+) -> EvalSetup:
+    """Load the model bundle for ``model`` (see the module docstring); ``kwargs`` go to :class:`EvalSetup`."""
+    torch_dtype = DTYPES[dtype]
+    cepe_model = None
+    path = Path(model)
+    if model == "tiny":
+        from cepe.tiny import ByteTokenizer, tiny_cepe, tiny_decoder
+
+        tok, decoder = ByteTokenizer(), tiny_decoder()
+        if "cepe" in methods:
+            cepe_model = tiny_cepe(decoder)
+    elif path.is_dir() and _is_cepe_dir(path):
+        from cepe.assets import load_tokenizer
+        from cepe.modeling import CepeForCausalLM
+
+        cepe_model = CepeForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+        decoder = cepe_model.decoder
+        name = tokenizer or cepe_model.cepe_config.decoder_name_or_path
+        if not name:
+            raise ValueError(f"{path} names no decoder; pass --tokenizer <decoder dir or hub id>")
+        tok = load_tokenizer(name)  # also a recorded .gguf file
+    else:
+        from cepe.assets import load_decoder
+
+        decoder, tok = load_decoder(model, dtype=torch_dtype)
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        if "cepe" in methods:
+            if not cepe_init:
+                raise ValueError(
+                    f"--model {model} is a plain decoder: 'cepe' needs a CEPE adapter dir, or --cepe-init to "
+                    "attach an untrained adapter (smoke runs only)"
+                )
+            from cepe.modeling import CepeForCausalLM
+
+            cepe_model = CepeForCausalLM.from_decoder(decoder).eval()
+    decoder.to(device)
+    if cepe_model is not None:
+        cepe_model.to(device)
+    return EvalSetup(tokenizer=tok, decoder=decoder, cepe_model=cepe_model, methods=methods, **kwargs)
+
+
+def run_task(task: str, setup: EvalSetup, config: dict[str, Any]) -> dict[str, Any]:
+    """Run ``task`` with a config dict (method options under ``methods:``); returns the result dict."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    module = importlib.import_module(f"cepe.eval.tasks.{task}")
+    cfg = build(module.Config, dict(config or {}), where=f"{task} config")
+    seed_everything(setup.seed)
+    result = module.run(setup, cfg)
+    for row in result["rows"]:
+        row.setdefault("task", task)
+    return result

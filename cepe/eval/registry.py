@@ -1,0 +1,57 @@
+"""Method name → method object: where a new baseline is added (a class in its own module, a branch here,
+its name in :data:`cepe.eval.methods.METHODS`).
+
+Importing every method module here (rather than in :mod:`cepe.eval.methods`) keeps the imports one-way:
+the method modules import the interface in :mod:`~cepe.eval.methods`, this module imports them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cepe.eval.methods import METHODS, CepeMethod, DecoderMethod, Method
+from cepe.eval.replug import Replug
+from cepe.eval.streaming import StreamingLLM
+
+
+def build_method(
+    name: str,
+    decoder: torch.nn.Module,
+    cepe_model: torch.nn.Module | None = None,
+    options: dict[str, Any] | None = None,
+    **common: Any,
+) -> Method:
+    """Construct a method by name.
+
+    Args:
+        name: one of ``cepe, full, truncated, streamingllm, replug``.
+        decoder: the plain HF causal LM used by the baselines.
+        cepe_model: the CEPE model (required for ``cepe``).
+        options: method-specific settings (``streamingllm``: ``sink_tokens``, ``recent_tokens``, ``stride``;
+            ``replug``: ``temperature``; ``cepe``: ``chunk_length``).
+        common: ``eos_token_id``, ``pad_token_id``, ``autocast_dtype``, ``batch_size``.
+    """
+    options = dict(options or {})
+    if name == "cepe":
+        if cepe_model is None:
+            raise ValueError(
+                "method 'cepe' needs a CEPE model: pass --model <CEPE adapter dir> (or drop 'cepe' from --methods)"
+            )
+        return CepeMethod(cepe_model, chunk_length=options.get("chunk_length"), **common)
+    if name in ("full", "truncated"):
+        m = DecoderMethod(decoder, **common)
+        m.name = name
+        return m
+    if name == "streamingllm":
+        return StreamingLLM(
+            decoder,
+            sink_tokens=int(options.get("sink_tokens", 4)),
+            recent_tokens=int(options.get("recent_tokens", 2044)),
+            stride=int(options.get("stride", 2048)),
+            **common,
+        )
+    if name == "replug":
+        return Replug(decoder, temperature=float(options.get("temperature", 1.0)), **common)
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")

@@ -1,0 +1,97 @@
+"""Loading a CEPE model by name and answering a prompt about a long context (the library behind
+``cepe generate``, ``cepe ask`` and the main job's generation demo)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .chunking import chunk_ids
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32):
+    """Load a CEPE model: an adapter / released directory, or a plain decoder name (fresh encoder).
+
+    Returns:
+        ``(model, tokenizer, fresh)`` where ``fresh`` is True when the encoder is untrained.
+    """
+    from .assets import load_tokenizer
+    from .modeling import ADAPTER_CONFIG, CepeForCausalLM
+
+    path = Path(model)
+    if (path / ADAPTER_CONFIG).exists() or (path / "config.json").exists() and _is_released(path):
+        m = CepeForCausalLM.from_pretrained(path, dtype=dtype)
+        tok_source = m.cepe_config.decoder_name_or_path or str(path)
+        return m.eval(), load_tokenizer(tok_source), False
+    m = CepeForCausalLM.from_decoder(model, dtype=dtype)
+    return m.eval(), load_tokenizer(model), True
+
+
+def load_model_and_tokenizer(name: str, dtype=None):
+    """``(model, tokenizer)`` for a ``--model`` argument: what :func:`load_model` takes, or ``tiny`` (the
+    deterministic tiny model of :func:`cepe.tiny.tiny_model`); the model in ``dtype`` (default fp32). Says
+    on stderr when the encoder is untrained."""
+    dtype = torch.float32 if dtype is None else dtype
+    if name == "tiny":
+        from .tiny import tiny_model
+
+        model, tok = tiny_model()
+        return model.to(dtype), tok
+    model, tok, fresh = load_model(name, dtype=dtype)
+    if fresh:
+        print("note: untrained CEPE encoder (no adapter given): the context cannot help yet", file=sys.stderr)
+    return model, tok
+
+
+def _is_released(path: Path) -> bool:
+    with open(path / "config.json") as f:
+        return "encoder_config" in json.load(f)
+
+
+def generate_from_context(
+    model,
+    tokenizer,
+    context: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    decoder_tokens: int | None = None,
+    cross_attention_cache: str | None = None,
+    chat: bool = True,
+) -> str:
+    """Answer ``prompt`` about a long ``context``: the context goes to the encoder in chunks of
+    ``chunk_length`` tokens, except its last ``decoder_tokens`` tokens, which stay in the decoder.
+
+    Returns:
+        The generated text (greedy decoding).
+    """
+    ctx_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    dec_ctx: list[int] = []
+    if decoder_tokens:
+        ctx_ids, dec_ctx = ctx_ids[:-decoder_tokens], ctx_ids[-decoder_tokens:]
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.decode(dec_ctx) + "\n\n" + prompt if dec_ctx else prompt
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(prompt_ids, dict):
+            prompt_ids = prompt_ids["input_ids"]
+    else:
+        prompt_ids = dec_ctx + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    enc_kwargs = {}
+    if ctx_ids:
+        chunks, mask = chunk_ids(ctx_ids, model.cepe_config.chunk_length, pad_id=tokenizer.pad_token_id or 0)
+        enc_kwargs = {"encoder_input_ids": chunks[None], "encoder_attention_mask": mask[None]}
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        cross_attention_cache=cross_attention_cache,
+        **enc_kwargs,
+    )
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
