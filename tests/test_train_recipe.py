@@ -308,3 +308,24 @@ def test_mixed_stage_qa_examples(tmp_path):
     small = _mixed(tmp_path, tasks={"qa": 1.0}, n_decoder=160, chunk_length=64, n_chunks=4)
     with pytest.raises(ValueError, match="vocab_size >= 256"):  # the tiny config's 128 ids
         build_example(small, src[0], 0, None)
+
+
+def test_training_facts_are_not_the_evaluations_templates():
+    """The QA / RULER evaluations plant "The <attribute> of <person> is <value>." with four attributes,
+    and the needle tasks their own sentences; training facts never take those forms."""
+    import random
+    import re
+
+    from cepe.eval.tasks.needle import Config as NeedleConfig
+    from cepe.eval.tasks.qa import _ATTRIBUTES as QA_ATTRIBUTES
+    from cepe.training.synthetic_qa import make_fact
+
+    r = random.Random(0)
+    facts = [make_fact(r) for _ in range(500)]
+    attrs = {a for a, _ in QA_ATTRIBUTES}
+    needle = NeedleConfig()
+    for f in facts:
+        assert not re.fullmatch(r"The .+ of .+ is .+\.", f.fact), f.fact
+        assert not any(a in f.fact or a in f.question for a in attrs), f.fact
+        assert f.question != needle.question and f.fact != needle.needle
+    assert len({f.fact for f in facts}) > 490  # little repetition: answers cannot be memorised

@@ -1,14 +1,17 @@
 """Synthetic question answering from the encoder: facts planted in the context, a question in the decoder.
 
 The ``qa`` examples of a mixed CEPE stage (:func:`cepe.training.data.mixed_example`) teach the adapter to
-answer from what it reads, not only to continue it: one to four generated facts ("The home town of Mara
-Lindqvist is Tallinn.") are planted at random places of the encoder's text; the decoder holds the end of
+answer from what it reads, not only to continue it: one to four generated facts ("Mara Lindqvist was born in
+Tallinn.") are planted at random places of the encoder's text; the decoder holds the end of
 the window's own text, then a question about one of the facts, in the decoder's chat template when it has
 one, and the answer, which restates the fact. Only the answer is scored, and each answer token that
 repeats a fact token gets that token's encoder position as its attention target.
 
-Facts are drawn from small word lists by a seeded ``random.Random``: entity × attribute × value gives
-millions of combinations, so answers cannot be memorised; none of the templates is an evaluation's.
+Facts are drawn from small word lists by a seeded ``random.Random``: entity × relation × value gives
+millions of combinations, so answers cannot be memorised. None of the templates is an evaluation's: the
+QA and RULER tasks plant "The <attribute> of <person> is <value>." (favourite colour, home town, pet,
+lucky number) and the needle tasks their own sentences; no training fact has that form or those
+attributes (a test checks it).
 
 Shape legend: K chunks, L chunk length, n decoder tokens.
 """
@@ -75,12 +78,12 @@ def make_fact(r: random.Random) -> Fact:
     p = _person(r)
     if kind == 0:
         v = r.choice(PLACES)
-        s = f"The home town of {p} is {v}."
-        return Fact(s, f"What is the home town of {p}?", s)
+        s = f"{p} was born in {v}."
+        return Fact(s, f"Where was {p} born?", s)
     if kind == 1:
         v = r.choice(COLORS)
-        s = f"{p}'s favourite colour is {v}."
-        return Fact(s, f"What is {p}'s favourite colour?", s)
+        s = f"{p} painted the front door {v}."
+        return Fact(s, f"What colour did {p} paint the front door?", s)
     if kind == 2:
         thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}"
         v = _number(r)
@@ -95,7 +98,7 @@ def make_fact(r: random.Random) -> Fact:
         s = f"{p} keeps {v} in the attic."
         return Fact(s, f"What does {p} keep in the attic?", s)
     v = _number(r)
-    s = f"The number of books owned by {p} is {v}."
+    s = f"{p} owns {v} books."
     return Fact(s, f"How many books does {p} own?", s)
 
 
