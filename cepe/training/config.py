@@ -143,6 +143,8 @@ class TrainConfig:
         copy_shuffle: mixed stage: the fraction of copy examples whose encoder tokens are permuted.
         recall_cue, recall_span: mixed stage: cue tokens and ``[min, max]`` recalled tokens of a recall
             example.
+        qa_templates: mixed stage: how many of the fact templates of :mod:`cepe.training.synthetic_qa`
+            qa examples draw from (1-12; the first 6 are those the first qa run used).
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -205,6 +207,7 @@ class TrainConfig:
     copy_shuffle: float = 0.0
     recall_cue: int = 8
     recall_span: list[int] = field(default_factory=lambda: [8, 32])
+    qa_templates: int = 6
     # CEPED
     teacher_dir: str | None = None
     teacher_decoder: str | None = None
@@ -345,6 +348,7 @@ class TrainConfig:
             f"recall_span must be [min, max] with 1 <= min <= max, got {self.recall_span}",
         )
         _check(self.recall_cue >= 1, f"recall_cue must be >= 1, got {self.recall_cue}")
+        _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         room = min(self.n_decoder, self.n_chunks * self.chunk_length)
         _check(
             self.recall_cue + hi <= room,
@@ -397,6 +401,8 @@ class TrainConfig:
         if d.get("tasks") is None:
             for key in ("tasks", "copy_shuffle", "recall_cue", "recall_span"):
                 d.pop(key, None)
+        if d.get("qa_templates") == 6:
+            d.pop("qa_templates")
         if "align_coef" not in d:
             d.pop("align_heads", None)
             d.pop("align_layers", None)

@@ -251,7 +251,7 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
 
         r = random.Random(int(example_generator(seed, _TASK_TAG, index).initial_seed()))
         tiny = None if cfg.tiny_decoder is None else int(cfg.tiny_decoder.get("vocab_size", 0))
-        enc, dec, labels, align = qa_example(enc, dec, r, cfg.decoder, tiny)
+        enc, dec, labels, align = qa_example(enc, dec, r, cfg.decoder, tiny, templates=cfg.qa_templates)
     else:  # recall
         cue = int(cfg.recall_cue)
         lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])

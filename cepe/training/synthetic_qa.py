@@ -72,10 +72,16 @@ def _number(r: random.Random) -> str:
     return str(r.randint(10**3, 10**7 - 1))
 
 
-def make_fact(r: random.Random) -> Fact:
-    """A random fact with its question; the answer repeats the fact word for word."""
-    kind = r.randrange(6)
+NUM_TEMPLATES = 12
+
+
+def make_fact(r: random.Random, templates: int = NUM_TEMPLATES) -> Fact:
+    """A random fact of one of the first ``templates`` templates, with its question; the answer repeats
+    the fact word for word. (The first six are the ones ``long_mixed_qa`` began with.)"""
+    kind = r.randrange(templates)
     p = _person(r)
+    if kind >= 6:
+        return _more_facts(kind, p, r)
     if kind == 0:
         v = r.choice(PLACES)
         s = f"{p} was born in {v}."
@@ -100,6 +106,35 @@ def make_fact(r: random.Random) -> Fact:
     v = _number(r)
     s = f"{p} owns {v} books."
     return Fact(s, f"How many books does {p} own?", s)
+
+
+SHIPS = "Albatross Meridian Wayfarer Kestrel Northwind Halcyon Seraphine Corvid Tideline Marigold".split()
+
+
+def _more_facts(kind: int, p: str, r: random.Random) -> Fact:
+    """Facts whose subject is not a person, or whose answer starts with a name that must be read."""
+    place, other = r.sample(PLACES, 2)
+    thing = f"the {r.choice(THINGS)} in {place}"
+    Thing = "T" + thing[1:]
+    if kind == 6:
+        s = f"{Thing} opens at {r.randint(5, 11)} o'clock."
+        return Fact(s, f"At what time does {thing} open?", s)
+    if kind == 7:
+        color = r.choice(COLORS)
+        s = f"The password for the {color} safe is {_number(r)}."
+        return Fact(s, f"What is the password for the {color} safe?", s)
+    if kind == 8:
+        s = f"The ferry from {place} to {other} leaves every {r.choice((10, 15, 20, 30, 40, 45))} minutes."
+        return Fact(s, f"How often does the ferry from {place} to {other} leave?", s)
+    if kind == 9:
+        s = f"Each spring the festival in {place} celebrates {r.choice(FOODS)}."
+        return Fact(s, f"What does the festival in {place} celebrate each spring?", s)
+    if kind == 10:
+        s = f"{Thing} was built in {r.randint(1200, 1990)}."
+        return Fact(s, f"When was {thing} built?", s)
+    ship = r.choice(SHIPS)
+    s = f"{p} is the captain of the ship {ship}."
+    return Fact(s, f"Who is the captain of the ship {ship}?", s)
 
 
 class ByteCodec:
@@ -145,6 +180,7 @@ def qa_example(
     decoder: str,
     tiny_vocab: int | None = None,
     max_facts: int = 4,
+    templates: int = NUM_TEMPLATES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
@@ -156,7 +192,7 @@ def qa_example(
         ValueError: the decoder is too short for the chat template, question and answer.
     """
     tok = _tokenizer(decoder, tiny_vocab)
-    facts = [make_fact(r) for _ in range(r.randint(1, max_facts))]
+    facts = [make_fact(r, templates) for _ in range(r.randint(1, max_facts))]
     asked = r.randrange(len(facts))
     stream = enc.reshape(-1).tolist()
     m = len(stream)
