@@ -148,3 +148,15 @@ def test_train_flags_give_the_config_the_override_strings_gave(tmp_path):
         stage="warmup",
     )
     assert cfg.fingerprint() == same.fingerprint()
+
+
+def test_one_dtype_map_takes_every_spelling():
+    import torch
+
+    from cepe.dtypes import torch_dtype
+
+    for names, dt in ((("fp32", "float32"), torch.float32), (("bf16", "bfloat16"), torch.bfloat16)):
+        assert all(torch_dtype(n) is dt for n in names)
+    assert torch_dtype("fp16") is torch_dtype("float16") is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        torch_dtype("int8")

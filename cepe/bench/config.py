@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PREFILL_METHODS = ("cepe", "full", "streamingllm", "replug")
-DTYPE_NAMES = ("bf16", "fp32")  # torch dtypes: cepe.bench.runner.DTYPES
+DTYPE_NAMES = ("bf16", "fp32")  # the dtypes a bench runs in (torch dtypes: cepe.dtypes.torch_dtype)
 CACHE_MODES = ("kv", "states", "absorbed")  # cross-attention cache modes while decoding
 
 

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
+from cepe.dtypes import torch_dtype
 from cepe.measure import PeakRSS, tensor_bytes
 
 from .config import PREFILL_METHODS, BenchConfig
 from .flops import CostModel, DecoderShape
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 RESULT_TAG = "CEPE_BENCH_RESULT "  # marks the result line a worker prints
 
 
@@ -76,7 +76,7 @@ def build_model(cfg: BenchConfig) -> torch.nn.Module:
         cross_attention_cache="states",
         encoder_micro_batch=cfg.micro_batch,
     )
-    model = CepeForCausalLM.from_decoder(decoder.eval(), ccfg).to(DTYPES[cfg.dtype]).eval()
+    model = CepeForCausalLM.from_decoder(decoder.eval(), ccfg).to(torch_dtype(cfg.dtype)).eval()
     longest = max([*cfg.lengths, cfg.decode_context + cfg.decode_tokens + 1])
     if getattr(model.decoder.config, "max_position_embeddings", longest) < longest:
         # Rotary positions are computed from position ids, so longer inputs run; only cost is measured.
