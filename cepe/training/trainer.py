@@ -52,7 +52,15 @@ DIGESTS_FILE = "final_digests.json"
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """Linear warmup over ``ceil(warmup_ratio·steps)`` steps, then cosine decay to ``min_lr_ratio``·lr."""
+    """Linear warmup over ``ceil(warmup_ratio·steps)`` steps, then cosine decay to ``min_lr_ratio``·lr.
+
+    Kept by hand: transformers has no schedule with these per-step factors (``tests/test_kept_libraries.py``
+    compares them). ``get_cosine_schedule_with_warmup`` has no floor and warms up from 0 (``s / warmup``,
+    ours ``(s + 1) / warmup``); ``get_cosine_with_min_lr_schedule_with_warmup`` has the floor but the same
+    warmup; ``get_cosine_with_min_lr_schedule_with_warmup_lr_rate`` has our warmup but decays one step ahead
+    (``s - warmup + 1``). Any of them would change the learning rate of every step, hence the losses of
+    committed runs and the resumption of running ones.
+    """
     warmup = math.ceil(warmup_ratio * steps) if warmup_ratio > 0 else 0
 
     def factor(s: int) -> float:
