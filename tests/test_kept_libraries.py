@@ -91,3 +91,20 @@ def test_no_transformers_schedule_has_our_per_step_factors():
     ]
     for make in theirs:
         assert factors(make) != pytest.approx(ours, abs=1e-9)
+
+
+def test_one_markdown_table_helper():
+    from cepe.tables import pipe_table
+
+    assert pipe_table(["a", "b"], [[1, "x"], [2.5, True]]) == [
+        "| a | b |",
+        "|---|---|",
+        "| 1 | x |",
+        "| 2.5 | True |",
+    ]
+
+
+def test_matmul_peak_is_timed_by_torch_utils_benchmark():
+    from cepe.bench.runner import matmul_peak_flops
+
+    assert matmul_peak_flops(64, torch.float32, 0.05) > 0

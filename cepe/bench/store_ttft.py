@@ -42,6 +42,7 @@ import torch
 from ..chunking import chunk_ids
 from ..dtypes import torch_dtype
 from ..fileio import write_text
+from ..tables import pipe_table
 from .config import DTYPE_NAMES, StoreBenchConfig
 
 QUESTION = "What is the main point of the document above? Answer in one sentence."
@@ -204,17 +205,25 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"`{result['config']['cache']}`; model dtype {result['config'].get('dtype', 'fp32')} (every path); "
         f"store dtype {b['store_dtype']}.",
         "",
-        "| context tokens | TTFT stored (cold) | stored (warm) | re-encode | full prefill | re-encode / stored | full / stored | same first token |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
-        full = f"{r['ttft_full_s']:.2f} s" if r["ttft_full_s"] is not None else "not run"
-        ratio = f"{r['full_over_stored']:.1f}x" if "full_over_stored" in r else "-"
-        lines.append(
-            f"| {r['tokens']} | {r['ttft_stored_cold_s']:.2f} s | {r['ttft_stored_warm_s']:.2f} s | "
-            f"{r['ttft_reencode_s']:.2f} s (encode {r['encode_s']:.2f}) | {full} | "
-            f"{r['reencode_over_stored']:.1f}x | {ratio} | {r['first_token_same']} |"
-        )
+    head = ["context tokens", "TTFT stored (cold)", "stored (warm)", "re-encode", "full prefill"]
+    head += ["re-encode / stored", "full / stored", "same first token"]
+    lines += pipe_table(
+        head,
+        (
+            [
+                r["tokens"],
+                f"{r['ttft_stored_cold_s']:.2f} s",
+                f"{r['ttft_stored_warm_s']:.2f} s",
+                f"{r['ttft_reencode_s']:.2f} s (encode {r['encode_s']:.2f})",
+                f"{r['ttft_full_s']:.2f} s" if r["ttft_full_s"] is not None else "not run",
+                f"{r['reencode_over_stored']:.1f}x",
+                f"{r['full_over_stored']:.1f}x" if "full_over_stored" in r else "-",
+                r["first_token_same"],
+            ]
+            for r in result["rows"]
+        ),
+    )
     lines += [
         "",
         f"Bytes per context token: Φ {b['phi_bytes_per_token']} B, full-context K/V {b['full_kv_bytes_per_token']} B "
