@@ -10,7 +10,8 @@ without importing torch.
 Type rules (the field annotations are read as strings, ``from __future__ import annotations``):
 ``bool`` fields take only ``true``/``false``; ``int`` and ``float`` fields take numbers, numeric strings
 (YAML reads ``1e-3`` as text) or ``true``/``false`` (1 / 0) and become that number type (an ``int`` field rejects ``1.5``); ``str`` fields
-take strings; ``list[...]`` / ``tuple[...]`` fields take lists, ``dict[...]`` fields mappings; ``Literal[...]``
+take strings; ``list[...]`` / ``tuple[...]`` fields take lists, ``dict[...]`` fields mappings; a section (a field whose default is a dataclass)
+a mapping, built the same way; ``Literal[...]``
 fields one of the listed values; ``X | None`` also ``null``. Anything else is passed through unchecked.
 """
 
@@ -67,11 +68,15 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def apply_overrides(
-    data: dict[str, Any], overrides: Iterable[str], where: str = "override"
+    data: dict[str, Any], overrides: Iterable[str | tuple[str, Any]], where: str = "override"
 ) -> dict[str, Any]:
-    """A copy of ``data`` with ``key.sub=value`` strings applied (values parsed as YAML)."""
+    """A copy of ``data`` with ``key.sub=value`` strings (values parsed as YAML) or ``(key, value)`` pairs
+    (already typed, e.g. from a generated flag: :func:`flag_overrides`) applied in order."""
     out = copy.deepcopy(data)
     for item in overrides:
+        if isinstance(item, tuple):
+            set_dotted(out, *item)
+            continue
         if "=" not in item:
             raise ValueError(f"{where}: override {item!r} must look like key=value or section.key=value")
         key, value = item.split("=", 1)
@@ -100,7 +105,7 @@ def build(cls: type[C], data: Any, where: str = "config") -> C:
     ]
     if missing:
         raise ValueError(f"{where} is missing required keys {missing}")
-    data = {k: _coerce(str(fields[k].type), v, f"{where}.{k}") for k, v in data.items()}
+    data = {k: _value(fields[k], v, f"{where}.{k}") for k, v in data.items()}
     try:
         return cls(**data)
     except TypeError as err:
@@ -110,7 +115,7 @@ def build(cls: type[C], data: Any, where: str = "config") -> C:
 def load_config(
     cls: type[C],
     path: str | os.PathLike[str] | None = None,
-    overrides: Iterable[str] = (),
+    overrides: Iterable[str | tuple[str, Any]] = (),
     data: dict[str, Any] | None = None,
     where: str = "config",
 ) -> C:
@@ -123,6 +128,13 @@ def load_config(
         return build(cls, apply_overrides(raw, overrides), where)
     except ValueError as err:
         raise ValueError(f"{path}: {err}" if path is not None else str(err)) from err
+
+
+def _value(f: dataclasses.Field, value: Any, key: str) -> Any:
+    nested = _nested_dataclass(f)
+    if nested is not None and isinstance(value, dict):
+        return build(nested, value, key)  # a section: ``optim: {lr: ...}``
+    return _coerce(str(f.type), value, key)
 
 
 def _split_optional(kind: str) -> tuple[str, bool]:
@@ -166,3 +178,207 @@ def _coerce(kind: str, value: Any, key: str) -> Any:
         if value not in choices:
             raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
     return value
+
+
+# ---------------------------------------------------------------------------------------------- flags
+# Command-line flags generated from a config dataclass. Hand-written over argparse (not jsonargparse or
+# tyro): the parser must build from the dataclasses' string annotations without importing torch (``cepe
+# --help`` stays light), it must keep the flag spellings the docs already use (``--max-tokens full=N``,
+# ``--no-progress``), and values must go through :func:`build`'s typing rule so that a flag, a ``--set``
+# and a config file give the same dataclass (and the same training fingerprint).
+
+FLAG_PREFIX = "cfg:"  # argparse ``dest`` of a generated flag: ``cfg:`` + the dotted key
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Per-field help from a Google-style docstring: ``name: text`` (also ``a / b: text``, ``a, b: text``
+    and ````name````), continuation lines indented deeper, under any section (``Attributes:``, ...)."""
+    import inspect
+    import re
+
+    doc = inspect.getdoc(cls) or ""
+    out: dict[str, str] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    current: list[str] = []
+    indent = 0
+    name = r"(?:``)?[a-z_][a-z0-9_]*(?:``)?"
+    entry = re.compile(rf"^(\s*)({name}(?:\s*[/,]\s*{name})*):\s*(.*)$")
+    for line in doc.splitlines():
+        m = entry.match(line)
+        keys = [k.strip("` ") for k in re.split(r"[/,]", m.group(2))] if m else []
+        if m and keys and all(k in names for k in keys):
+            current, indent = keys, len(m.group(1))
+            for k in keys:
+                out[k] = m.group(3).strip()
+        elif current and line.strip() and len(line) - len(line.lstrip()) > indent:
+            for k in current:
+                out[k] = f"{out[k]} {line.strip()}".strip()
+        else:
+            current = []
+    # several entries on one line: "steps: optimizer steps. batch_size: examples per step."
+    inline = re.compile(rf"(?:^|(?<=\.)\s+)({name}(?:\s*[/,]\s*{name})*):\s")
+    for key, text in list(out.items()):
+        pieces = inline.split(text)  # [head, names, text, names, text, ...]
+        for names_, part in zip(pieces[1::2], pieces[2::2]):
+            keys = [k.strip("` ") for k in re.split(r"[/,]", names_)]
+            if all(k in names for k in keys):
+                for k in keys:
+                    out[k] = part.strip()
+                out[key] = out[key].replace(f"{names_}: {part}", "").strip()
+    return out
+
+
+def _flag_type(kind: str) -> tuple[str, str | None]:
+    """(``"bool" | "int" | "float" | "str" | "list" | "dict" | "yaml"``, the element type of a list)."""
+    base, _ = _split_optional(kind)
+    if base in ("bool", "int", "float", "str"):
+        return base, None
+    for outer in ("list[", "tuple["):
+        if base.startswith(outer) and base.endswith("]"):
+            inner = base[len(outer) : -1].split(",")[0].strip()
+            return "list", inner if inner in ("int", "float", "str") else None
+    if base.startswith("dict[") or base == "dict":
+        return "dict", None
+    return "yaml", None
+
+
+def _yaml_value(text: str) -> Any:
+    return parse_value(text)
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    import argparse
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), parse_value(value)
+
+
+def add_config_flags(
+    parser: Any,
+    cls: type,
+    *,
+    exclude: Iterable[str] = (),
+    aliases: dict[str, list[str]] | None = None,
+    prefix: str = "",
+    config_file: str | None = None,
+) -> None:
+    """Add one flag per field of dataclass ``cls`` to an ``argparse`` parser.
+
+    ``field_name`` becomes ``--field-name`` (nested dataclass fields ``--section.field-name``); its type,
+    choices (a ``Literal`` annotation or ``field(metadata={"choices": ...})``) and help (the docstring, see
+    :func:`field_docs`, plus the default) come from the dataclass. ``bool`` fields get ``--x`` / ``--no-x``,
+    lists take several values, ``dict`` fields take ``KEY=VALUE`` (repeatable; merged into the mapping),
+    anything else a YAML value. A flag not given leaves the file's value alone (read them back with
+    :func:`flag_overrides`). ``config_file``: also add ``--config FILE`` (this help) and ``--set KEY=VALUE``.
+    """
+    import argparse
+
+    if config_file is not None:
+        parser.add_argument("--config", help=config_file)
+        parser.add_argument(
+            "--set",
+            action="append",
+            metavar="KEY=VALUE",
+            help="override a config key, the value read as YAML (repeatable; after the file, before the "
+            "other flags): --set key.sub=value",
+        )
+    docs = field_docs(cls)
+    skip = set(exclude)
+    aliases = aliases or {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in skip:
+            continue
+        key = f"{prefix}{f.name}"
+        nested = _nested_dataclass(f)
+        if nested is not None:
+            add_config_flags(parser, nested, prefix=f"{key}.", exclude=[], aliases=aliases)
+            continue
+        flag = "--" + key.replace("_", "-")
+        names = [flag, *aliases.get(key, [])]
+        kind, inner = _flag_type(str(f.type))
+        choices = f.metadata.get("choices") or _literal_choices(str(f.type))
+        help_text = docs.get(f.name, "")
+        default = _default(f)
+        if default is not dataclasses.MISSING:
+            help_text = f"{help_text} (default: {default})".strip()
+        kw: dict[str, Any] = {"dest": FLAG_PREFIX + key, "default": argparse.SUPPRESS}
+        kw["help"] = _plain(help_text).replace("%", "%%") or None
+        if kind != "bool":
+            kw["metavar"] = key.rsplit(".", 1)[-1].upper()
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind == "dict":
+            kw.update(action="append", type=_key_value, metavar="KEY=VALUE")
+            kw["help"] = f"{kw['help'] or ''} (repeatable KEY=VALUE: sets {key}.KEY)".strip()
+        elif kind == "list":
+            conv = {"int": int, "float": float, "str": str}.get(inner or "", _yaml_value)
+            kw.update(nargs="+", type=conv)
+            if choices:
+                kw.update(choices=list(choices), metavar="{" + ",".join(map(str, choices)) + "}")
+        elif kind in ("int", "float", "str"):
+            kw["type"] = {"int": int, "float": float, "str": str}[kind]
+            if choices:
+                kw.update(choices=list(choices), metavar=None)
+        else:
+            kw["type"] = _yaml_value
+            kw["help"] = f"{kw['help'] or ''} (a YAML value)".strip()
+        parser.add_argument(*names, **kw)
+
+
+def flag_overrides(args: Any) -> list[tuple[str, Any]]:
+    """The generated flags given on the command line, as ``(dotted key, value)`` overrides for
+    :func:`apply_overrides` (a ``dict`` flag's ``KEY=VALUE`` items become ``field.KEY`` overrides)."""
+    out: list[tuple[str, Any]] = []
+    for dest, value in vars(args).items():
+        if not dest.startswith(FLAG_PREFIX):
+            continue
+        key = dest[len(FLAG_PREFIX) :]
+        if isinstance(value, list) and value and all(isinstance(v, tuple) for v in value):
+            out.extend((f"{key}.{k}", v) for k, v in value)
+        else:
+            out.append((key, value))
+    return out
+
+
+def config_from_args(cls: type[C], args: Any, where: str = "config", base: dict | None = None) -> C:
+    """Dataclass ``cls`` from ``--config FILE`` (or ``base``), then ``--set`` overrides, then the generated
+    flags given (the last wins); errors name the file and the key."""
+    path = getattr(args, "config", None)
+    overrides: list[Any] = [*(getattr(args, "set", None) or []), *flag_overrides(args)]
+    return load_config(cls, path, overrides, data=base, where=where)
+
+
+def _plain(text: str) -> str:
+    """Docstring markup to terminal text: ````x```` → ``x``, ``:mod:`x``` → ``x``."""
+    import re
+
+    return re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text).replace("``", "")
+
+
+def _nested_dataclass(f: dataclasses.Field) -> type | None:
+    """The dataclass of a section field (``data: DataConfig = field(default_factory=DataConfig)``)."""
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _literal_choices(kind: str) -> tuple[Any, ...] | None:
+    base, _ = _split_optional(kind)
+    if base.startswith("Literal[") and base.endswith("]"):
+        try:
+            return ast.literal_eval(f"({base[len('Literal[') : -1]},)")
+        except (ValueError, SyntaxError):
+            return None
+    return None

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cepe.tables import pipe_table
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADAPTER = REPO / "adapters" / "smollm2-135m-cepe"
 METHODS = ["cepe", "truncated", "full", "streamingllm", "replug"]
@@ -155,12 +157,11 @@ def lm_table(result: dict[str, Any]) -> str:
         s = r["setting"]
         cells.setdefault((s["domain"], s["total"]), {})[r["method"]] = r["value"]
     methods = [m for m in METHODS if any(m in v for v in cells.values())]
-    lines = ["| domain | total | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
-    for (domain, total), v in sorted(cells.items(), key=lambda kv: (kv[0][0] == "avg", kv[0])):
-        lines.append(
-            f"| {domain} | {total} | " + " | ".join(f"{v.get(m, float('nan')):.2f}" for m in methods) + " |"
-        )
-    return "\n".join(lines)
+    order = sorted(cells.items(), key=lambda kv: (kv[0][0] == "avg", kv[0]))
+    rows = (
+        [domain, total, *(f"{v.get(m, float('nan')):.2f}" for m in methods)] for (domain, total), v in order
+    )
+    return "\n".join(pipe_table(["domain", "total", *methods], rows))
 
 
 def needle_table(result: dict[str, Any]) -> str:
@@ -168,10 +169,8 @@ def needle_table(result: dict[str, Any]) -> str:
     acc: dict[tuple[str, int], list[float]] = {}
     for r in result["rows"]:
         acc.setdefault((r["method"], r["setting"]["total"]), []).append(r["value"])
-    lines = ["| method | total | accuracy % (mean over depths) |", "|---|---|---|"]
-    for (m, t), v in sorted(acc.items()):
-        lines.append(f"| {m} | {t} | {sum(v) / len(v):.0f} |")
-    return "\n".join(lines)
+    rows = ([m, t, f"{sum(v) / len(v):.0f}"] for (m, t), v in sorted(acc.items()))
+    return "\n".join(pipe_table(["method", "total", "accuracy % (mean over depths)"], rows))
 
 
 def _cmd_main(args: argparse.Namespace) -> int:

@@ -37,12 +37,13 @@ from safetensors.torch import save_file
 
 from . import fileio
 from .chunking import chunk_ids
+from .dtypes import torch_dtype
 from .training.runctl import pid_alive
 
 STORE_FORMAT = "cepe-context-store"
 STORE_VERSION = 1
 CONTEXT_FORMAT = "cepe-context/1"
-STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+STORE_DTYPES = ("bf16", "fp32", "fp16")  # dtypes of a stored Φ (cepe.dtypes.torch_dtype)
 ID_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".tex", ".html", ".json", ".csv", ".yaml", ".yml", ".toml"}
 
@@ -495,7 +496,7 @@ class ContextStore:
                 )
         seconds = time.perf_counter() - t0
         tensors = {
-            "states": states[0].to(STORE_DTYPES[self.dtype]).cpu().contiguous(),  # (S, D)
+            "states": states[0].to(torch_dtype(self.dtype)).cpu().contiguous(),  # (S, D)
             "key_mask": key_mask[0].bool().cpu().contiguous(),  # (S,)
             "token_ids": torch.as_tensor(ids, dtype=torch.int32),  # (N,)
         }

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from cepe.dtypes import torch_dtype
+
 from .config import PREFILL_METHODS, BenchConfig
 from .report import plot, summarize, write_json
-from .runner import DTYPES, RESULT_TAG, build_model, cost_model, matmul_peak_flops, run_setting
+from .runner import RESULT_TAG, build_model, cost_model, matmul_peak_flops, run_setting
 
 
 def _machine() -> str:
@@ -66,7 +68,7 @@ def run_benchmark(
     if requested != cfg.dtype:
         log(f"dtype auto -> {cfg.dtype} on this machine")
     machine_start = _machine()
-    peak = matmul_peak_flops(peak_matmul_size, DTYPES[cfg.dtype], peak_seconds)
+    peak = matmul_peak_flops(peak_matmul_size, torch_dtype(cfg.dtype), peak_seconds)
     log(f"{machine_start}; {cfg.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
     model = build_model(cfg) if in_process else None
     if model is None:

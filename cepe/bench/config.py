@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PREFILL_METHODS = ("cepe", "full", "streamingllm", "replug")
-DTYPE_NAMES = ("bf16", "fp32")  # torch dtypes: cepe.bench.runner.DTYPES
+DTYPE_NAMES = ("bf16", "fp32")  # the dtypes a bench runs in (torch dtypes: cepe.dtypes.torch_dtype)
+CACHE_MODES = ("kv", "states", "absorbed")  # cross-attention cache modes while decoding
 
 
 @dataclass
@@ -23,7 +24,8 @@ class BenchConfig:
         dtype: ``"bf16"`` (the fast path on CPUs with bf16 matmul units), ``"fp32"``, or ``"auto"`` (bf16
             where its matmuls beat fp32 here, see :mod:`cepe.compute`; resolved before any measurement).
         encoder_hidden / encoder_layers / encoder_heads: context encoder size (intermediate = 4 × hidden).
-        chunk: encoder chunk length. window: decoder tokens (see module docstring).
+        chunk: encoder chunk length.
+        window: decoder tokens (the CEPE decoder input, the StreamingLLM cache, one REPLUG pass).
         micro_batch: encoder chunks per encoder call.
         full_chunk: tokens per call of the chunked full-context prefill.
         replug_piece: context tokens per REPLUG pass.
@@ -47,7 +49,7 @@ class BenchConfig:
 
     model: str = "default"
     random_init: bool = False
-    dtype: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": (*DTYPE_NAMES, "auto")})
     encoder_hidden: int = 256
     encoder_layers: int = 4
     encoder_heads: int = 4
@@ -57,15 +59,19 @@ class BenchConfig:
     full_chunk: int = 4096
     replug_piece: int = 1024
     lengths: list[int] = field(default_factory=lambda: [4096, 8192, 32768, 131072])
-    methods: list[str] = field(default_factory=lambda: list(PREFILL_METHODS))
+    methods: list[str] = field(
+        default_factory=lambda: list(PREFILL_METHODS), metadata={"choices": PREFILL_METHODS}
+    )
     max_tokens: dict[str, int] = field(
         default_factory=lambda: {"full": 32768, "replug": 32768, "streamingllm": 131072, "cepe": 131072}
     )
     decode_context: int = 32768
     decode_tokens: int = 16
-    decode_modes: list[str] = field(default_factory=lambda: ["kv", "states", "absorbed"])
-    decode_fill: str = "random"
-    decode_cache: str = "static"
+    decode_modes: list[str] = field(
+        default_factory=lambda: ["kv", "states", "absorbed"], metadata={"choices": CACHE_MODES}
+    )
+    decode_fill: str = field(default="random", metadata={"choices": ("random", "prefill")})
+    decode_cache: str = field(default="static", metadata={"choices": ("static", "dynamic")})
     repeats: int = 1
     compile: bool = False
     threads: int = 0
@@ -78,6 +84,12 @@ class BenchConfig:
         bad = [m for m in self.methods if m not in PREFILL_METHODS]
         if bad:
             raise ValueError(f"unknown methods {bad}; choose from {', '.join(PREFILL_METHODS)}")
+        for name, limit in self.max_tokens.items():
+            if name not in PREFILL_METHODS or isinstance(limit, bool) or not isinstance(limit, int):
+                raise ValueError(
+                    f"max_tokens (--max-tokens METHOD=N) takes METHOD in {PREFILL_METHODS} and an integer N, "
+                    f"got {name}={limit!r}"
+                )
         if not 0 < self.replug_piece < self.window:
             raise ValueError(f"replug_piece must be in (0, window={self.window}), got {self.replug_piece}")
         if self.window <= 4:
@@ -154,8 +166,8 @@ class StoreBenchConfig:
     lengths: list[int] = field(default_factory=lambda: [32768, 131072])
     full_max_tokens: int = 8192
     full_chunk: int = 2048
-    dtype: str = "fp32"
-    store_dtype: str = "bf16"
-    cache: str = "states"
+    dtype: str = field(default="fp32", metadata={"choices": DTYPE_NAMES})
+    store_dtype: str = field(default="bf16", metadata={"choices": ("bf16", "fp32", "fp16")})
+    cache: str = field(default="states", metadata={"choices": CACHE_MODES})
     threads: int = 0
     seed: int = 0

@@ -25,19 +25,18 @@ Random token ids are used: costs do not depend on the values.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from typing import Any
 
 import torch
 
+from cepe.dtypes import torch_dtype
 from cepe.measure import PeakRSS, tensor_bytes
 
 from .config import PREFILL_METHODS, BenchConfig
 from .flops import CostModel, DecoderShape
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 RESULT_TAG = "CEPE_BENCH_RESULT "  # marks the result line a worker prints
 
 
@@ -76,7 +75,7 @@ def build_model(cfg: BenchConfig) -> torch.nn.Module:
         cross_attention_cache="states",
         encoder_micro_batch=cfg.micro_batch,
     )
-    model = CepeForCausalLM.from_decoder(decoder.eval(), ccfg).to(DTYPES[cfg.dtype]).eval()
+    model = CepeForCausalLM.from_decoder(decoder.eval(), ccfg).to(torch_dtype(cfg.dtype)).eval()
     longest = max([*cfg.lengths, cfg.decode_context + cfg.decode_tokens + 1])
     if getattr(model.decoder.config, "max_position_embeddings", longest) < longest:
         # Rotary positions are computed from position ids, so longer inputs run; only cost is measured.
@@ -320,15 +319,17 @@ def run_setting(
 
 
 def matmul_peak_flops(size: int = 4096, dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0) -> float:
-    """Measured FLOP/s of a large square matmul in ``dtype`` (best of repeated runs for ``seconds``)."""
+    """Measured FLOP/s of a large square matmul in ``dtype``: ``torch.utils.benchmark`` runs it in blocks
+    for at least ``seconds`` (after a warm-up call) on this process's threads; the fastest block counts."""
+    from torch.utils import benchmark
+
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     torch.matmul(a, b)
-    best, start = math.inf, time.perf_counter()
-    while time.perf_counter() - start < seconds or best == math.inf:
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
+    timer = benchmark.Timer(
+        "torch.matmul(a, b)", globals={"torch": torch, "a": a, "b": b}, num_threads=torch.get_num_threads()
+    )
+    best = min(timer.blocked_autorange(min_run_time=seconds).times)
     return 2 * size**3 / best
 
 

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from ..chunking import chunk_ids
+from ..dtypes import torch_dtype
 from ..fileio import write_text
-from .config import StoreBenchConfig
+from ..tables import pipe_table
+from .config import DTYPE_NAMES, StoreBenchConfig
 
-MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUESTION = "What is the main point of the document above? Answer in one sentence."
 
 
@@ -96,14 +97,14 @@ def run_store_bench(
         ``{"config", "machine", "rows", "bytes"}``; also written to ``out_dir/bench_store.{json,md}``.
     """
     from ..generation import load_model_and_tokenizer
-    from ..store import STORE_DTYPES, ContextStore, prompt_ids
+    from ..store import ContextStore, prompt_ids
 
-    if cfg.dtype not in MODEL_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {cfg.dtype!r}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    model, tok = load_model_and_tokenizer(cfg.model, dtype=MODEL_DTYPES[cfg.dtype])
+    model, tok = load_model_and_tokenizer(cfg.model, dtype=torch_dtype(cfg.dtype))
     log(
         f"model {cfg.model} loaded in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}"
     )
@@ -111,7 +112,7 @@ def run_store_bench(
     length = int(model.cepe_config.chunk_length)
     prompt = torch.tensor([prompt_ids(tok, [{"role": "user", "content": QUESTION}])])
     g = torch.Generator().manual_seed(cfg.seed)
-    dtype_bytes = torch.tensor([], dtype=STORE_DTYPES[cfg.store_dtype]).element_size()
+    dtype_bytes = torch.tensor([], dtype=torch_dtype(cfg.store_dtype)).element_size()
     rows = []
     with tempfile.TemporaryDirectory(prefix="cepe-bench-store-") as tmp:
         store = ContextStore(Path(tmp) / "store", model, tok, dtype=cfg.store_dtype)
@@ -204,17 +205,25 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"`{result['config']['cache']}`; model dtype {result['config'].get('dtype', 'fp32')} (every path); "
         f"store dtype {b['store_dtype']}.",
         "",
-        "| context tokens | TTFT stored (cold) | stored (warm) | re-encode | full prefill | re-encode / stored | full / stored | same first token |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
-        full = f"{r['ttft_full_s']:.2f} s" if r["ttft_full_s"] is not None else "not run"
-        ratio = f"{r['full_over_stored']:.1f}x" if "full_over_stored" in r else "-"
-        lines.append(
-            f"| {r['tokens']} | {r['ttft_stored_cold_s']:.2f} s | {r['ttft_stored_warm_s']:.2f} s | "
-            f"{r['ttft_reencode_s']:.2f} s (encode {r['encode_s']:.2f}) | {full} | "
-            f"{r['reencode_over_stored']:.1f}x | {ratio} | {r['first_token_same']} |"
-        )
+    head = ["context tokens", "TTFT stored (cold)", "stored (warm)", "re-encode", "full prefill"]
+    head += ["re-encode / stored", "full / stored", "same first token"]
+    lines += pipe_table(
+        head,
+        (
+            [
+                r["tokens"],
+                f"{r['ttft_stored_cold_s']:.2f} s",
+                f"{r['ttft_stored_warm_s']:.2f} s",
+                f"{r['ttft_reencode_s']:.2f} s (encode {r['encode_s']:.2f})",
+                f"{r['ttft_full_s']:.2f} s" if r["ttft_full_s"] is not None else "not run",
+                f"{r['reencode_over_stored']:.1f}x",
+                f"{r['full_over_stored']:.1f}x" if "full_over_stored" in r else "-",
+                r["first_token_same"],
+            ]
+            for r in result["rows"]
+        ),
+    )
     lines += [
         "",
         f"Bytes per context token: Φ {b['phi_bytes_per_token']} B, full-context K/V {b['full_kv_bytes_per_token']} B "

@@ -19,14 +19,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cepe.configio import build
+from cepe.dtypes import torch_dtype as to_torch_dtype
 from cepe.eval.common import EvalSetup
 from cepe.eval.tasks import TASKS
 from cepe.measure import seed_everything
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("fp32", "bf16", "fp16")  # weight / autocast dtypes of an evaluation (cepe.dtypes.torch_dtype)
 
 
 def _is_cepe_dir(path: Path) -> bool:
@@ -49,7 +48,9 @@ def load_setup(
     **kwargs: Any,
 ) -> EvalSetup:
     """Load the model bundle for ``model`` (see the module docstring); ``kwargs`` go to :class:`EvalSetup`."""
-    torch_dtype = DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    torch_dtype = to_torch_dtype(dtype)
     cepe_model = None
     path = Path(model)
     if model == "tiny":

@@ -18,7 +18,8 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
 def _run(args: argparse.Namespace) -> int:
     from cepe.configio import apply_overrides, read_config_file
-    from cepe.eval.api import DTYPES, load_setup, run_task
+    from cepe.dtypes import torch_dtype
+    from cepe.eval.api import load_setup, run_task
     from cepe.eval.report import write_report
     from cepe.measure import cpu_count_note
 
@@ -38,7 +39,7 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         cepe_init=args.cepe_init,
         method_options=method_options,
-        autocast_dtype=DTYPES[args.autocast] if args.autocast else None,
+        autocast_dtype=torch_dtype(args.autocast) if args.autocast else None,
         batch_size=args.batch_size,
         seed=args.seed,
         limit=args.limit,

@@ -91,7 +91,8 @@ class CepeLM(LM):
         **unused: Any,
     ):
         super().__init__()
-        from cepe.eval.api import DTYPES, load_setup
+        from cepe.dtypes import torch_dtype
+        from cepe.eval.api import load_setup
 
         if method not in HARNESS_METHODS:
             raise ValueError(
@@ -122,7 +123,7 @@ class CepeLM(LM):
                 tokenizer=tokenizer,
                 cepe_init=_bool(cepe_init),
                 method_options={"cepe": {"chunk_length": chunk_length}} if chunk_length else {},
-                autocast_dtype=DTYPES[autocast] if autocast else None,
+                autocast_dtype=torch_dtype(autocast) if autocast else None,
                 batch_size=bs,
                 progress=False,
             )

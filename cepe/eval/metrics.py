@@ -18,6 +18,11 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
 
+# Exact match and token F1 are the official SQuAD v2.0 evaluation script's (normalize_answer, compute_exact,
+# compute_f1: both empty counts as F1 1), written out here because no maintained package ships them for
+# offline use: ``evaluate``'s "squad" metric downloads its script from the Hub at first use.
+
+
 def normalize_answer(text: str) -> str:
     """Standard answer normalisation: lowercase, drop punctuation and the articles a/an/the, collapse
     whitespace."""
@@ -52,36 +57,24 @@ def token_f1(prediction: str, answers: str | Sequence[str]) -> float:
     return max((_f1_tokens(pred, normalize_answer(g).split()) for g in golds), default=0.0)
 
 
-def _lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
-    if not a or not b:
-        return 0
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0] * (len(b) + 1)
-        for j, y in enumerate(b, start=1):
-            cur[j] = prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1])
-        prev = cur
-    return prev[-1]
-
-
-def _rouge_tokens(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
 def rouge_l(prediction: str, answers: str | Sequence[str]) -> float:
-    """ROUGE-L F-measure (longest common subsequence over lowercase alphanumeric tokens, beta = 1),
-    the best over the gold references."""
+    """ROUGE-L F-measure of Google's ``rouge-score`` (the reference implementation: longest common
+    subsequence over lowercase alphanumeric tokens, no stemming, beta = 1), the best over the gold
+    references (extra ``eval``)."""
     golds = [answers] if isinstance(answers, str) else list(answers)
-    pred = _rouge_tokens(prediction)
-    best = 0.0
-    for g in golds:
-        ref = _rouge_tokens(g)
-        lcs = _lcs_length(pred, ref)
-        if lcs == 0:
-            continue
-        p, r = lcs / len(pred), lcs / len(ref)
-        best = max(best, 2 * p * r / (p + r))
-    return best
+    scorer = _rouge_scorer()
+    return max((scorer.score(g, prediction)["rougeL"].fmeasure for g in golds), default=0.0)
+
+
+_SCORER: list = []
+
+
+def _rouge_scorer():
+    if not _SCORER:
+        from rouge_score import rouge_scorer
+
+        _SCORER.append(rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False))
+    return _SCORER[0]
 
 
 def accuracy(prediction: str, answers: str | Sequence[str]) -> float:

@@ -12,6 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from cepe.tables import pipe_table
+
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
@@ -31,13 +33,15 @@ def markdown_table(result: dict[str, Any]) -> str:
                 keys.append(k)
     head = [*keys, "method", "metric", "value", "n", "tokens/s", "peak MB"]
     lines = [f"# {result.get('task', 'eval')}: {result.get('model', '')}", ""]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
-    for r in rows:
-        cells = [_fmt(r.get("setting", {}).get(k, "")) for k in keys]
-        cells += [r["method"], r["metric"], _fmt(r["value"]), _fmt(r.get("n", ""))]
-        cells += [_fmt(r.get("tokens_per_s", "")), _fmt(r.get("peak_memory_mb", ""))]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += pipe_table(
+        head,
+        (
+            [_fmt(r.get("setting", {}).get(k, "")) for k in keys]
+            + [r["method"], r["metric"], _fmt(r["value"]), _fmt(r.get("n", ""))]
+            + [_fmt(r.get("tokens_per_s", "")), _fmt(r.get("peak_memory_mb", ""))]
+            for r in rows
+        ),
+    )
     notes = result.get("notes")
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]

@@ -11,25 +11,22 @@ import argparse
 STAGE_CHOICES = ("warmup", "cepe", "ceped")
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    out = list(args.set or [])
-    if args.steps is not None:
-        out.append(f"steps={args.steps}")
-    if args.output_dir is not None:
-        out.append(f"output_dir={args.output_dir}")
-    if args.no_progress:
-        out.append("progress=false")
-    if getattr(args, "profile", None):
-        out.append(f"profile_steps={args.profile}")
-    return out
+def _load(args: argparse.Namespace, stage: str):  # -> TrainConfig
+    """The stage's :class:`~cepe.training.config.TrainConfig`: ``--config`` (optional when the flags give
+    ``--output-dir`` and the data), then ``--set`` overrides, then the generated flags given."""
+    from cepe.configio import flag_overrides
+
+    from .config import load_config
+
+    overrides = [*(args.set or []), *flag_overrides(args)]
+    return load_config(args.config if args.config is not None else {}, overrides, stage=stage)
 
 
 def _run_train(args: argparse.Namespace, stage: str) -> int:
-    from .config import load_config
     from .runctl import Stopped
     from .trainer import train
 
-    cfg = load_config(args.config, _overrides(args), stage=stage)
+    cfg = _load(args, stage)
     try:
         out = train(cfg, resume=args.resume, allow_dtype_change=args.allow_dtype_change)
     except Stopped as stop:
@@ -62,19 +59,18 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.status is not None:
         return show_status(args.status)
-    if args.stage is None or args.config is None:
-        raise ValueError("cepe train needs --stage and --config (or --status to show running stages)")
+    if args.stage is None:
+        raise ValueError("cepe train needs --stage (and --config FILE or flags), or --status")
     return _run_train(args, args.stage)
 
 
 def _teacher(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
-    from .config import load_config
     from .teacher import run_teacher
-
-    cfg = load_config(args.config, _overrides(args), stage="ceped")
     from .trainer import cpu_only
+
+    cfg = _load(args, "ceped")
 
     state = PartialState(cpu=cpu_only())
     out = run_teacher(
@@ -90,21 +86,20 @@ def _teacher(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
-    p.add_argument(
-        "--config",
-        required=config_required,
-        help="stage config (YAML or JSON), e.g. configs/train/mini/...",
+def _common(p: argparse.ArgumentParser) -> None:
+    """``--config FILE``, ``--set KEY=VALUE`` and one flag per :class:`TrainConfig` field (``--steps``,
+    ``--output-dir``, ``--no-progress``, ``--optim.lr``, ``--data.corpus``, ...) but ``stage``."""
+    from cepe.configio import add_config_flags
+
+    from .config import TrainConfig
+
+    add_config_flags(
+        p,
+        TrainConfig,
+        exclude=["stage"],
+        aliases={"profile_steps": ["--profile"]},
+        config_file="stage config (YAML or JSON), e.g. configs/train/mini/...; the flags below override it",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a config field (repeatable), e.g. optim.lr=1e-4",
-    )
-    p.add_argument("--steps", type=int, default=None, help="override steps")
-    p.add_argument("--output-dir", default=None, help="override output_dir")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -117,13 +112,6 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         "--allow-dtype-change",
         action="store_true",
         help="resume in another compute dtype than the checkpoint was trained in",
-    )
-    p.add_argument(
-        "--profile",
-        type=int,
-        default=None,
-        metavar="N",
-        help="write a per-op torch.profiler table of N steps to OUTPUT_DIR/profile.txt",
     )
 
 
@@ -147,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(copy), cepe, ceped (needs `cepe teacher` first). The output directory is a cepe adapter.",
     )
     p.add_argument("--stage", choices=STAGE_CHOICES, help="the stage to train (required unless --status)")
-    _common(p, config_required=False)
+    _common(p)
     _run_options(p)
     p.add_argument(
         "--status",

@@ -18,8 +18,6 @@ from cepe.configio import apply_overrides, read_config_file
 from cepe.configio import build as _build
 from cepe.fileio import write_json
 
-from .losses import KL_FORMS
-
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
 TASK_KINDS = ("lm", "copy", "recall", "qa")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
@@ -77,7 +75,13 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine decay (paper: betas 0.9/0.999, eps 1e-8, 4 % warmup).
 
-    ``gate_lr``: learning rate of the per-head cross-attention gates (``init_mode: gate``); None = ``lr``.
+    Attributes:
+        lr: peak learning rate.
+        betas, eps, weight_decay: AdamW's.
+        warmup_ratio: the share of the steps with a linear warmup from 0 to ``lr``.
+        min_lr_ratio: the cosine decays to ``min_lr_ratio`` × ``lr``.
+        max_grad_norm: gradient clipping (None = none).
+        gate_lr: learning rate of the per-head cross-attention gates (``init_mode: gate``); None = ``lr``.
     """
 
     lr: float = 3e-4
@@ -287,6 +291,8 @@ class TrainConfig:
             0.0 <= self.chunk_noise_whole <= 1.0,
             f"chunk_noise_whole must be in [0, 1], got {self.chunk_noise_whole}",
         )
+        from .losses import KL_FORMS  # here, not at the top: `cepe train --help` reads this module (no torch)
+
         _check(self.kl_form in KL_FORMS, f"kl_form must be one of {KL_FORMS}, got {self.kl_form!r}")
         _check(self.decoder_dtype in ("float32", "bfloat16"), "decoder_dtype must be float32 or bfloat16")
         _check(self.bf16 in (True, False, "auto"), f"bf16 must be true, false or auto, got {self.bf16!r}")

@@ -18,6 +18,7 @@ from torch import nn
 from cepe.compute import resolve_bf16
 from cepe.config import CepeConfig, EncoderConfig, encoder_config_from_decoder
 from cepe.cross_attention import AlignProbe
+from cepe.dtypes import torch_dtype
 from cepe.encoder import EncoderForMaskedLM
 from cepe.fileio import atomic_path, write_json
 from cepe.modeling import CepeForCausalLM
@@ -30,8 +31,6 @@ ENCODER_WEIGHTS = "encoder_model.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
 MLM_WEIGHTS = "mlm_model.safetensors"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def build_decoder(cfg: TrainConfig, name: str | None = None) -> nn.Module:
     """The frozen decoder: a tiny random Llama from ``cfg.tiny_decoder`` or a loaded model (eval mode)."""
@@ -42,10 +41,10 @@ def build_decoder(cfg: TrainConfig, name: str | None = None) -> nn.Module:
         seed = int(spec.pop("seed", 0))
         model = random_decoder("llama", seed, **spec)
         model.config._name_or_path = "tiny"
-        return model.to(_DTYPES[cfg.decoder_dtype])
+        return model.to(torch_dtype(cfg.decoder_dtype))
     from cepe.assets import load_decoder_model
 
-    return load_decoder_model(name or cfg.decoder, dtype=_DTYPES[cfg.decoder_dtype])
+    return load_decoder_model(name or cfg.decoder, dtype=torch_dtype(cfg.decoder_dtype))
 
 
 def decoder_vocab_size(cfg: TrainConfig) -> int:

@@ -20,6 +20,8 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,15 @@ DIGESTS_FILE = "final_digests.json"
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """Linear warmup over ``ceil(warmup_ratio·steps)`` steps, then cosine decay to ``min_lr_ratio``·lr."""
+    """Linear warmup over ``ceil(warmup_ratio·steps)`` steps, then cosine decay to ``min_lr_ratio``·lr.
+
+    Kept by hand: transformers has no schedule with these per-step factors (``tests/test_kept_libraries.py``
+    compares them). ``get_cosine_schedule_with_warmup`` has no floor and warms up from 0 (``s / warmup``,
+    ours ``(s + 1) / warmup``); ``get_cosine_with_min_lr_schedule_with_warmup`` has the floor but the same
+    warmup; ``get_cosine_with_min_lr_schedule_with_warmup_lr_rate`` has our warmup but decays one step ahead
+    (``s - warmup + 1``). Any of them would change the learning rate of every step, hence the losses of
+    committed runs and the resumption of running ones.
+    """
     warmup = math.ceil(warmup_ratio * steps) if warmup_ratio > 0 else 0
 
     def factor(s: int) -> float:
@@ -126,6 +136,11 @@ def _print(enabled: bool, text: str) -> None:
 def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = False) -> Path:
     """Run (or resume) the stage described by ``cfg``; returns ``cfg.output_dir``.
 
+    The recipe of every stage (the stage's losses and examples live in ``StageModule`` and
+    ``build_example``): set up (:func:`_setup`: accelerator, resume point, compute dtype, model, optimizer,
+    restored state), then steps (:func:`_step`, :meth:`_Run.log`, :meth:`_Run.checkpoint`), then save
+    (:func:`_save_artifact`).
+
     Args:
         cfg: the stage config.
         resume: continue from the newest checkpoint in ``output_dir/checkpoints``; with none, from the
@@ -138,9 +153,215 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
             written with a different configuration, or in another compute dtype.
         Stopped: a signal asked the run to stop; the step it finished is checkpointed.
     """
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
     from tqdm.auto import tqdm
+
+    run = _setup(cfg, resume, allow_dtype_change)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=run.start,
+        desc=cfg.stage,
+        unit="step",
+        disable=not (cfg.progress and run.main),
+    )
+    signals = Signals().install()
+    prof = None
+    prof_from = min(run.start + 1, cfg.steps - 1) if cfg.profile_steps else -1
+    run.t_start = time.perf_counter()
+    last_save = time.monotonic()
+    timed: list[float] = []
+    if run.main:
+        write_status(run.out, run.status("running" if run.start < cfg.steps else "done", run.start))
+    try:
+        for step in range(run.start, cfg.steps):
+            if step == prof_from:
+                from torch.profiler import ProfilerActivity, profile
+
+                prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+                prof.__enter__()
+            result = _step(run, step)
+            done = step + 1
+            if step > run.start:
+                timed.append(result.dt)  # the first step of a process pays for warm-up
+            if prof is not None and done >= prof_from + cfg.profile_steps:
+                prof.__exit__(None, None, None)
+                if run.main:
+                    _write_profile(run.out, prof, done - prof_from, cfg.stage)
+                prof = None
+            run.recent.append((result.loss, result.dt))
+            del run.recent[:-10]
+            if run.main:
+                run.log(bar, done, result)
+            # stop / time-based checkpoint: rank 0 decides for every process
+            due = cfg.save_every_minutes is not None and (
+                time.monotonic() - last_save >= 60.0 * cfg.save_every_minutes
+            )
+            stop_sig, due = run.agree([signals.stop, due])
+            if done % cfg.save_every == 0 or done == cfg.steps or due or stop_sig is not None:
+                run.checkpoint(done)
+                last_save = time.monotonic()
+            if stop_sig is not None:
+                if run.main:
+                    write_status(run.out, run.status("stopped", done))
+                raise Stopped(done, int(stop_sig))
+            run.paused_s += _after_step(run, signals, done)
+    finally:
+        signals.restore()
+        if prof is not None:  # the run ended before the profiled steps did
+            prof.__exit__(None, None, None)
+            if run.main:
+                _write_profile(run.out, prof, cfg.steps - prof_from, cfg.stage)
+        bar.close()
+    _print_speed(run, timed)
+    _save_artifact(run)
+    return run.out
+
+
+@dataclass
+class _StepResult:
+    loss: float
+    metrics: dict[str, float]
+    lr: float
+    grad_norm: float | None
+    tokens: int
+    dt: float
+
+
+@dataclass
+class _Run:
+    """What the loop of one stage works with (built by :func:`_setup`)."""
+
+    cfg: TrainConfig
+    acc: Any  # accelerate.Accelerator
+    out: Path
+    accum: int  # micro-batches per optimizer step and process
+    compute_dtype: str
+    params: list[nn.Parameter]
+    module: Any  # the StageModule as prepared by accelerate (DDP-wrapped with several processes)
+    stage_module: StageModule
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    start: int = 0
+    flops: dict[str, Any] = field(default_factory=dict)
+    peak: float | None = None
+    make: Callable[[int], dict[str, torch.Tensor]] | None = None
+    recent: list[tuple[float, float]] = field(default_factory=list)  # (loss, seconds) of the last steps
+    t_start: float = 0.0
+    paused_s: float = 0.0
+
+    @property
+    def world(self) -> int:
+        return self.acc.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.acc.process_index
+
+    @property
+    def main(self) -> bool:
+        return self.acc.is_main_process
+
+    @property
+    def inner(self) -> nn.Module:
+        return self.stage_module.model
+
+    def agree(self, values: list[Any]) -> list[Any]:
+        """``values`` as rank 0 has them, on every process."""
+        if self.world > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(values, from_process=0)
+        return values
+
+    def status(self, state: str, done: int) -> dict[str, Any]:
+        """The record of ``status.json`` (see :mod:`cepe.training.runctl`)."""
+        cfg, flops, peak = self.cfg, self.flops, self.peak
+        dec_per_step, enc_per_step = flops["decoder_tokens"], flops["encoder_tokens"]
+        losses_, secs = [x[0] for x in self.recent], [x[1] for x in self.recent if x[1] > 0]
+        step_s = sum(secs) / len(secs) if secs else None
+        return {
+            "stage": cfg.stage,
+            "state": state,
+            "step": done,
+            "steps": cfg.steps,
+            "examples_seen": done * cfg.batch_size,
+            "decoder_tokens_seen": done * dec_per_step,
+            "encoder_tokens_seen": done * enc_per_step,
+            "loss_recent": sum(losses_) / len(losses_) if losses_ else None,
+            "decoder_tokens_per_s": dec_per_step / step_s if step_s else None,
+            "encoder_tokens_per_s": enc_per_step / step_s if step_s else None,
+            "flops_per_step": flops["total"],
+            "peak_fraction": flops["total"] / step_s / peak if (step_s and peak) else None,
+            "eta_s": (cfg.steps - done) * step_s if step_s else None,
+            "compute_dtype": self.compute_dtype,
+            "output_dir": str(self.out),
+        }
+
+    def log(self, bar: Any, done: int, r: _StepResult) -> None:
+        """Main process: the progress bar, and every ``log_every`` steps a ``log.jsonl`` record."""
+        cfg, flops, peak = self.cfg, self.flops, self.peak
+        tok_s = r.tokens * self.world / max(r.dt, 1e-9)
+        bar.update(1)
+        frac = flops["total"] / r.dt / peak if peak else None
+        bar.set_postfix(
+            loss=f"{r.loss:.4f}",
+            tok_s=f"{tok_s:.0f}",
+            **({"peak": f"{100 * frac:.0f}%"} if frac else {}),
+        )
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            record = {
+                "step": done,
+                "loss": r.loss,
+                **r.metrics,
+                "lr": r.lr,
+                "grad_norm": r.grad_norm,
+                "tokens_per_s": tok_s,
+                "decoder_tokens_per_s": flops["decoder_tokens"] / r.dt,
+                "encoder_tokens_per_s": flops["encoder_tokens"] / r.dt,
+                "flops_per_s": flops["total"] / r.dt,
+                "peak_fraction": frac,
+                "step_s": r.dt,
+                "elapsed_s": time.perf_counter() - self.t_start - self.paused_s,
+            }
+            with open(self.out / LOG_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if bar.disable:  # no progress bar: one status line per logged step
+                _print(True, format_status(self.out, self.status("running", done)))
+
+    def checkpoint(self, done: int) -> None:
+        """Every process: checkpoint after step ``done`` (rank 0 writes; also the snapshot)."""
+        from accelerate.utils import gather_object
+
+        cfg = self.cfg
+        rngs = gather_object([rng_state()])
+        if self.main:
+            state = {
+                "step": done,
+                "examples_seen": done * cfg.batch_size,
+                "fingerprint": cfg.fingerprint(),
+                "stage": cfg.stage,
+                "world_size": self.world,
+                "compute_dtype": self.compute_dtype,
+            }
+            save_checkpoint(
+                self.out,
+                done,
+                self.inner,
+                self.optimizer,
+                self.scheduler,
+                state,
+                rngs,
+                keep=cfg.keep_checkpoints,
+            )
+            if cfg.snapshot_dir:
+                self.inner.eval()
+                save_snapshot(cfg.snapshot_dir, self.inner, {**state, "steps": cfg.steps})
+        self.acc.wait_for_everyone()
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def _accelerator(cfg: TrainConfig) -> Any:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
@@ -150,11 +371,14 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
             "FSDP was requested (accelerate launch --use_fsdp) but this machine has no GPU, and accelerate "
             "shards only over accelerator devices; on CPU launch without --use_fsdp (DDP over gloo)"
         )
-    acc = Accelerator(kwargs_handlers=[ddp], cpu=cpu_only())
-    world, rank = acc.num_processes, acc.process_index
-    main = acc.is_main_process
-    accum = cfg.grad_accum(world)
-    out = Path(cfg.output_dir)
+    return Accelerator(kwargs_handlers=[ddp], cpu=cpu_only())
+
+
+def _resume_point(
+    cfg: TrainConfig, out: Path, resume: bool
+) -> tuple[list[tuple[int, Path]], dict[str, Any] | None, dict[str, Any] | None]:
+    """(the checkpoints in ``out``, the newest one's trainer state or None, the snapshot's record or None),
+    checked against ``cfg``'s fingerprint."""
     existing = checkpoint_dirs(out)
     if existing and not resume:
         raise ValueError(
@@ -180,12 +404,11 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
                 f"{snapshot.get('fingerprint')}, this run is {cfg.stage!r} with {cfg.fingerprint()}; continue "
                 "with the config that wrote it, or point snapshot_dir elsewhere"
             )
-    record = saved or snapshot or {}
-    where = str(existing[-1][1]) if saved else f"snapshot {cfg.snapshot_dir}"
-    use_bf16 = decide_bf16(cfg.bf16, acc.device, world)
-    use_bf16 = settle_dtype(cfg.bf16, use_bf16, record.get("compute_dtype"), allow_dtype_change, where)
-    compute_dtype = DTYPE_NAMES[use_bf16]
+    return existing, saved, snapshot
 
+
+def _build_modules(cfg: TrainConfig, use_bf16: bool) -> tuple[nn.Module, list[nn.Parameter], StageModule]:
+    """The stage's model (frozen decoder checked), its trainable parameters and the loss module."""
     model = build_model(cfg)
     params = trainable_parameters(model)
     if cfg.stage != "mlm":
@@ -196,7 +419,11 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
         if use_bf16 and not cfg.reference_path:
             hold_frozen_linears(model.decoder, torch.bfloat16)
     module = StageModule(model, cfg)
-    module.bf16 = use_bf16  # decided once above, not re-timed at every forward
+    module.bf16 = use_bf16  # decided once, not re-timed at every forward
+    return model, params, module
+
+
+def _optimizer(cfg: TrainConfig, model: nn.Module, params: list[nn.Parameter]) -> tuple[Any, Any]:
     optimizer = torch.optim.AdamW(
         param_groups(model, params, cfg),
         lr=cfg.optim.lr,
@@ -204,57 +431,62 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    scheduler = cosine_schedule(optimizer, cfg.steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
-    module, optimizer = acc.prepare(module, optimizer)
-    stage_module: StageModule = acc.unwrap_model(module)
-    inner = stage_module.model
+    return optimizer, cosine_schedule(optimizer, cfg.steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
 
-    start = 0
+
+def _restore(
+    run: _Run, existing: list[tuple[int, Path]], saved: dict[str, Any] | None, snapshot: dict[str, Any] | None
+) -> int:
+    """Load the checkpoint (or the snapshot: weights only, the schedule stepped on); the step to start at."""
+    cfg = run.cfg
     if saved is not None:
         step0, path = existing[-1]
-        state = load_checkpoint(path, inner, optimizer, scheduler, rank=rank)
+        state = load_checkpoint(path, run.inner, run.optimizer, run.scheduler, rank=run.rank)
         start = int(state["step"])
         assert start == step0
-    elif snapshot is not None:
-        load_snapshot(cfg.snapshot_dir, inner)
+        return start
+    if snapshot is not None:
+        load_snapshot(cfg.snapshot_dir, run.inner)
         start = min(int(snapshot["step"]), cfg.steps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for _ in range(start):
-                scheduler.step()
+                run.scheduler.step()
         _print(
-            main,
+            run.main,
             f"{cfg.stage}: no checkpoint; continuing from the snapshot of step {start} in "
             f"{cfg.snapshot_dir} (weights only, fresh optimizer state)",
         )
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / CONFIG_FILE)
-        kept = [r for r in read_log(out) if r.get("step", 0) <= start] if start else []
-        (out / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return start
+    return 0
 
-    flops = step_flops(cfg, inner)
-    peak = None
-    if cfg.peak_seconds > 0:
-        peak_box = [None]
-        if main:
-            from cepe.bench.runner import matmul_peak_flops
 
-            # the benchmark's 4096² matmul in bf16 (tens of ms); 2048² in fp32, where one 4096² takes seconds
-            size, dt = (4096, torch.bfloat16) if use_bf16 else (2048, torch.float32)
-            peak_box[0] = matmul_peak_flops(size, dt, cfg.peak_seconds)
-        if world > 1:
-            broadcast_object_list(peak_box, from_process=0)
-        peak = peak_box[0]
-    _print(
-        main,
-        f"{cfg.stage}: compute {compute_dtype}"
-        + ("" if cfg.reference_path else " (fast paths)" if cfg.stage != "mlm" else "")
-        + f", {_threads_note()}, {world} process(es); "
-        f"{flops['total'] / 1e12:.3f} TFLOP per step by the cost model ({COST_MODEL})"
-        + (f"; {compute_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s" if peak else ""),
-    )
+def _open_output(run: _Run) -> None:
+    """Main process: write the config and keep the log records up to the start step."""
+    if run.main:
+        run.out.mkdir(parents=True, exist_ok=True)
+        run.cfg.save(run.out / CONFIG_FILE)
+        kept = [r for r in read_log(run.out) if r.get("step", 0) <= run.start] if run.start else []
+        (run.out / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
 
+
+def _measure_peak(run: _Run, use_bf16: bool) -> float | None:
+    """The matmul peak (FLOP/s) of the compute dtype, measured on rank 0 (None when not measured)."""
+    cfg = run.cfg
+    if cfg.peak_seconds <= 0:
+        return None
+    peak_box = [None]
+    if run.main:
+        from cepe.bench.runner import matmul_peak_flops
+
+        # the benchmark's 4096² matmul in bf16 (tens of ms); 2048² in fp32, where one 4096² takes seconds
+        size, dt = (4096, torch.bfloat16) if use_bf16 else (2048, torch.float32)
+        peak_box[0] = matmul_peak_flops(size, dt, cfg.peak_seconds)
+    return run.agree(peak_box)[0]
+
+
+def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Global example index → the stage's example (with the teacher's top-k for CEPED)."""
     vocab = int(inner.config.vocab_size) if cfg.stage != "mlm" else int(inner.encoder.config.vocab_size) - 1
     source = window_source(cfg, vocab)
     mask_id = inner.encoder.config.mask_token_id if cfg.stage == "mlm" else None
@@ -276,196 +508,142 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
             ex["teacher_probs"], ex["teacher_indices"] = teacher.get(i)
         return ex
 
-    dec_per_step, enc_per_step = flops["decoder_tokens"], flops["encoder_tokens"]
-    recent: list[tuple[float, float]] = [(r["loss"], r.get("step_s", 0.0)) for r in read_log(out)][-10:]
+    return make
 
-    def status(state: str, done: int) -> dict[str, Any]:
-        losses_, secs = [x[0] for x in recent], [x[1] for x in recent if x[1] > 0]
-        step_s = sum(secs) / len(secs) if secs else None
-        return {
-            "stage": cfg.stage,
-            "state": state,
-            "step": done,
-            "steps": cfg.steps,
-            "examples_seen": done * cfg.batch_size,
-            "decoder_tokens_seen": done * dec_per_step,
-            "encoder_tokens_seen": done * enc_per_step,
-            "loss_recent": sum(losses_) / len(losses_) if losses_ else None,
-            "decoder_tokens_per_s": dec_per_step / step_s if step_s else None,
-            "encoder_tokens_per_s": enc_per_step / step_s if step_s else None,
-            "flops_per_step": flops["total"],
-            "peak_fraction": flops["total"] / step_s / peak if (step_s and peak) else None,
-            "eta_s": (cfg.steps - done) * step_s if step_s else None,
-            "compute_dtype": compute_dtype,
-            "output_dir": str(out),
-        }
 
-    def checkpoint(done: int) -> None:
-        rngs = gather_object([rng_state()])
-        if main:
-            state = {
-                "step": done,
-                "examples_seen": done * cfg.batch_size,
-                "fingerprint": cfg.fingerprint(),
-                "stage": cfg.stage,
-                "world_size": world,
-                "compute_dtype": compute_dtype,
-            }
-            save_checkpoint(out, done, inner, optimizer, scheduler, state, rngs, keep=cfg.keep_checkpoints)
-            if cfg.snapshot_dir:
-                inner.eval()
-                save_snapshot(cfg.snapshot_dir, inner, {**state, "steps": cfg.steps})
-        acc.wait_for_everyone()
+def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
+    """Everything before the first step, in a fixed order (resumed runs draw the same random numbers)."""
+    acc = _accelerator(cfg)
+    accum = cfg.grad_accum(acc.num_processes)
+    out = Path(cfg.output_dir)
+    existing, saved, snapshot = _resume_point(cfg, out, resume)
+    record = saved or snapshot or {}
+    where = str(existing[-1][1]) if saved else f"snapshot {cfg.snapshot_dir}"
+    use_bf16 = decide_bf16(cfg.bf16, acc.device, acc.num_processes)
+    use_bf16 = settle_dtype(cfg.bf16, use_bf16, record.get("compute_dtype"), allow_dtype_change, where)
 
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start,
-        desc=cfg.stage,
-        unit="step",
-        disable=not (cfg.progress and main),
+    model, params, module = _build_modules(cfg, use_bf16)
+    optimizer, scheduler = _optimizer(cfg, model, params)
+    module, optimizer = acc.prepare(module, optimizer)
+    run = _Run(
+        cfg=cfg,
+        acc=acc,
+        out=out,
+        accum=accum,
+        compute_dtype=DTYPE_NAMES[use_bf16],
+        params=params,
+        module=module,
+        stage_module=acc.unwrap_model(module),
+        optimizer=optimizer,
+        scheduler=scheduler,
     )
-    signals = Signals().install()
-    prof = None
-    prof_from = min(start + 1, cfg.steps - 1) if cfg.profile_steps else -1
-    t_start = time.perf_counter()
-    paused_s = 0.0
-    last_save = time.monotonic()
-    timed: list[float] = []
-    if main:
-        write_status(out, status("running" if start < cfg.steps else "done", start))
-    try:
-        for step in range(start, cfg.steps):
-            if step == prof_from:
-                from torch.profiler import ProfilerActivity, profile
+    run.start = _restore(run, existing, saved, snapshot)
+    _open_output(run)
 
-                prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
-                prof.__enter__()
-            set_train_mode(inner)
-            t0 = time.perf_counter()
-            losses: list[torch.Tensor] = []
-            extra: dict[str, list[torch.Tensor]] = {}
-            tokens = 0
-            for micro in range(accum):
-                idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, rank, world)
-                batch = {k: v.to(acc.device) for k, v in collate([make(i) for i in idx]).items()}
-                batch.pop("index")
-                tokens += _tokens(batch)
-                sync = acc.no_sync(module) if micro < accum - 1 else contextlib.nullcontext()
-                with sync:
-                    loss, metrics = module(batch)
-                    acc.backward(loss / accum)
-                stage_module.release()
-                losses.append(loss.detach().float())
-                for k, v in metrics.items():
-                    extra.setdefault(k, []).append(v.float())
-            grad_norm = None
-            if cfg.optim.max_grad_norm:
-                grad_norm = acc.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+    run.flops = step_flops(cfg, run.inner)
+    run.peak = _measure_peak(run, use_bf16)
+    _print(
+        run.main,
+        f"{cfg.stage}: compute {run.compute_dtype}"
+        + ("" if cfg.reference_path else " (fast paths)" if cfg.stage != "mlm" else "")
+        + f", {_threads_note()}, {run.world} process(es); "
+        f"{run.flops['total'] / 1e12:.3f} TFLOP per step by the cost model ({COST_MODEL})"
+        + (f"; {run.compute_dtype} matmul peak {run.peak / 1e9:.0f} GFLOP/s" if run.peak else ""),
+    )
+    run.make = _example_maker(cfg, run.inner)
+    run.recent = [(r["loss"], r.get("step_s", 0.0)) for r in read_log(out)][-10:]
+    return run
 
-            loss_value = acc.reduce(torch.stack(losses).mean(), "mean")
-            metric_values = {k: float(acc.reduce(torch.stack(v).mean(), "mean")) for k, v in extra.items()}
-            dt = time.perf_counter() - t0
-            tok_s = tokens * world / max(dt, 1e-9)
-            done = step + 1
-            if step > start:
-                timed.append(dt)  # the first step of a process pays for warm-up
-            if prof is not None and done >= prof_from + cfg.profile_steps:
-                prof.__exit__(None, None, None)
-                if main:
-                    _write_profile(out, prof, done - prof_from, cfg.stage)
-                prof = None
-            recent.append((float(loss_value), dt))
-            del recent[:-10]
-            if main:
-                bar.update(1)
-                frac = flops["total"] / dt / peak if peak else None
-                bar.set_postfix(
-                    loss=f"{float(loss_value):.4f}",
-                    tok_s=f"{tok_s:.0f}",
-                    **({"peak": f"{100 * frac:.0f}%"} if frac else {}),
-                )
-                if done % cfg.log_every == 0 or done == cfg.steps:
-                    record = {
-                        "step": done,
-                        "loss": float(loss_value),
-                        **metric_values,
-                        "lr": lr,
-                        "grad_norm": None if grad_norm is None else float(grad_norm),
-                        "tokens_per_s": tok_s,
-                        "decoder_tokens_per_s": dec_per_step / dt,
-                        "encoder_tokens_per_s": enc_per_step / dt,
-                        "flops_per_s": flops["total"] / dt,
-                        "peak_fraction": frac,
-                        "step_s": dt,
-                        "elapsed_s": time.perf_counter() - t_start - paused_s,
-                    }
-                    with open(out / LOG_FILE, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    if bar.disable:  # no progress bar: one status line per logged step
-                        st = status("running", done)
-                        _print(True, format_status(out, st))
-            # stop / time-based checkpoint: rank 0 decides for every process
-            due = cfg.save_every_minutes is not None and (
-                time.monotonic() - last_save >= 60.0 * cfg.save_every_minutes
-            )
-            decision = [signals.stop, due]
-            if world > 1:
-                broadcast_object_list(decision, from_process=0)
-            stop_sig, due = decision
-            if done % cfg.save_every == 0 or done == cfg.steps or due or stop_sig is not None:
-                checkpoint(done)
-                last_save = time.monotonic()
-            if stop_sig is not None:
-                if main:
-                    write_status(out, status("stopped", done))
-                raise Stopped(done, int(stop_sig))
-            if main:
-                write_status(out, status("running" if done < cfg.steps else "done", done))
 
-                def on_pause(done=done):
-                    write_status(out, status("paused", done))
-                    _print(True, f"{cfg.stage}: paused after step {done} (SIGUSR2 resumes)")
+# ---------------------------------------------------------------------------------------------- a step
+def _step(run: _Run, step: int) -> _StepResult:
+    """One optimizer step: ``accum`` micro-batches (gradients synchronised on the last), clipping, AdamW,
+    the schedule; the loss and metrics averaged over processes."""
+    cfg, acc, module = run.cfg, run.acc, run.module
+    set_train_mode(run.inner)
+    t0 = time.perf_counter()
+    losses: list[torch.Tensor] = []
+    extra: dict[str, list[torch.Tensor]] = {}
+    tokens = 0
+    for micro in range(run.accum):
+        idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, run.rank, run.world)
+        batch = {k: v.to(acc.device) for k, v in collate([run.make(i) for i in idx]).items()}
+        batch.pop("index")
+        tokens += _tokens(batch)
+        sync = acc.no_sync(module) if micro < run.accum - 1 else contextlib.nullcontext()
+        with sync:
+            loss, metrics = module(batch)
+            acc.backward(loss / run.accum)
+        run.stage_module.release()
+        losses.append(loss.detach().float())
+        for k, v in metrics.items():
+            extra.setdefault(k, []).append(v.float())
+    grad_norm = None
+    if cfg.optim.max_grad_norm:
+        grad_norm = acc.clip_grad_norm_(run.params, cfg.optim.max_grad_norm)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
 
-                paused_s += signals.wait_while_paused(on_pause)
-            else:
-                paused_s += signals.wait_while_paused()
-    finally:
-        signals.restore()
-        if prof is not None:  # the run ended before the profiled steps did
-            prof.__exit__(None, None, None)
-            if main:
-                _write_profile(out, prof, cfg.steps - prof_from, cfg.stage)
-        bar.close()
+    loss_value = acc.reduce(torch.stack(losses).mean(), "mean")
+    metric_values = {k: float(acc.reduce(torch.stack(v).mean(), "mean")) for k, v in extra.items()}
+    return _StepResult(
+        loss=float(loss_value),
+        metrics=metric_values,
+        lr=lr,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        tokens=tokens,
+        dt=time.perf_counter() - t0,
+    )
 
-    if timed and main:
-        mean = sum(timed) / len(timed)
-        _print(
-            True,
-            f"{cfg.stage}: {len(timed)} timed steps, {mean:.2f} s/step, "
-            f"{dec_per_step / mean:.0f} decoder tok/s, {enc_per_step / mean:.0f} encoder tok/s, "
-            f"{flops['total'] / mean / 1e9:.0f} GFLOP/s"
-            + (
-                f" = {100 * flops['total'] / mean / peak:.1f}% of the {compute_dtype} matmul peak"
-                if peak
-                else ""
-            ),
-        )
-    digests = gather_object([parameter_digest(params)])
-    if main:
-        inner.eval()
-        if cfg.stage == "mlm":
-            save_encoder(inner, out)
+
+def _after_step(run: _Run, signals: Signals, done: int) -> float:
+    """Write the status and wait while paused (SIGUSR1 / SIGUSR2); the seconds paused."""
+    if not run.main:
+        return signals.wait_while_paused()
+    write_status(run.out, run.status("running" if done < run.cfg.steps else "done", done))
+
+    def on_pause() -> None:
+        write_status(run.out, run.status("paused", done))
+        _print(True, f"{run.cfg.stage}: paused after step {done} (SIGUSR2 resumes)")
+
+    return signals.wait_while_paused(on_pause)
+
+
+# ---------------------------------------------------------------------------------------------- save
+def _print_speed(run: _Run, timed: list[float]) -> None:
+    if not (timed and run.main):
+        return
+    flops, peak, mean = run.flops, run.peak, sum(timed) / len(timed)
+    _print(
+        True,
+        f"{run.cfg.stage}: {len(timed)} timed steps, {mean:.2f} s/step, "
+        f"{flops['decoder_tokens'] / mean:.0f} decoder tok/s, {flops['encoder_tokens'] / mean:.0f} encoder "
+        f"tok/s, {flops['total'] / mean / 1e9:.0f} GFLOP/s"
+        + (
+            f" = {100 * flops['total'] / mean / peak:.1f}% of the {run.compute_dtype} matmul peak"
+            if peak
+            else ""
+        ),
+    )
+
+
+def _save_artifact(run: _Run) -> None:
+    """The stage's output (a cepe adapter, or the encoder for ``mlm``) and every process's weight digest."""
+    from accelerate.utils import gather_object
+
+    digests = gather_object([parameter_digest(run.params)])
+    if run.main:
+        run.inner.eval()
+        if run.cfg.stage == "mlm":
+            save_encoder(run.inner, run.out)
         else:
-            inner.save_pretrained(out)
-        (out / DIGESTS_FILE).write_text(json.dumps(digests, indent=2) + "\n")
+            run.inner.save_pretrained(run.out)
+        (run.out / DIGESTS_FILE).write_text(json.dumps(digests, indent=2) + "\n")
         if len(set(digests)) > 1:
-            warnings.warn(f"processes ended with different trainable weights: {digests}", stacklevel=2)
-    acc.wait_for_everyone()
-    return out
+            warnings.warn(f"processes ended with different trainable weights: {digests}", stacklevel=3)
+    run.acc.wait_for_everyone()
 
 
 PROFILE_FILE = "profile.txt"

@@ -73,6 +73,7 @@ from cepe.eval.common import (
     wrap_prompt,
 )
 from cepe.eval.methods import DecoderMethod, Request
+from cepe.tables import pipe_table
 
 TASK_NAMES = (
     "niah_single_1",
@@ -692,8 +693,5 @@ def pivot_table(
     val = {(r["method"], r["setting"]["task"], r["setting"]["total"]): r["value"] for r in rows}
     cols = [(m, T) for m in methods for T in totals]
     head = ["task", *[f"{m} {T // 1024}K" if T % 1024 == 0 else f"{m} {T}" for m, T in cols]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for t in tasks:
-        cells = [f"{val[(m, t, T)]:.0f}" if (m, t, T) in val else "-" for m, T in cols]
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    rows = ([t, *(f"{val[(m, t, T)]:.0f}" if (m, t, T) in val else "-" for m, T in cols)] for t in tasks)
+    return "\n".join(pipe_table(head, rows)) + "\n"

@@ -1,0 +1,162 @@
+"""Flags generated from config dataclasses (:func:`cepe.configio.add_config_flags`): the same dataclass
+(and training fingerprint) from a flag, a ``--set`` override or a config file; old flag spellings kept."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cepe.configio import add_config_flags, config_from_args, field_docs, flag_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Inner:
+    """Attributes:
+    rate: a rate. seed: a seed.
+    """
+
+    rate: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class Demo:
+    """A demo.
+
+    Attributes:
+        name: the name, which goes on
+            over two lines (30 %).
+        a / b: two at once.
+        flag: on or off.
+        sizes: some sizes.
+        mode: one of three.
+        limits: per key.
+    """
+
+    name: str = "x"
+    a: int = 1
+    b: float | None = None
+    flag: bool = False
+    sizes: list[int] = field(default_factory=lambda: [1, 2])
+    mode: str = field(default="p", metadata={"choices": ("p", "q", "r")})
+    limits: dict[str, int] = field(default_factory=dict)
+    inner: Inner = field(default_factory=Inner)
+    extra: bool | str = "auto"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_config_flags(p, Demo, config_file="a file")
+    return p
+
+
+def test_field_docs_reads_the_attributes_section():
+    docs = field_docs(Demo)
+    assert docs["name"] == "the name, which goes on over two lines (30 %)."
+    assert docs["a"] == docs["b"] == "two at once."
+    assert field_docs(Inner) == {"rate": "a rate.", "seed": "a seed."}
+
+
+def test_generated_flags_types_defaults_and_precedence(tmp_path):
+    p = _parser()
+    assert config_from_args(Demo, p.parse_args([])) == Demo()
+    args = p.parse_args(
+        ["--name", "n", "--b", "2", "--flag", "--sizes", "3", "4", "--mode", "q", "--limits", "u=5"]
+        + ["--inner.rate", "0.25", "--extra", "true"]
+    )
+    cfg = config_from_args(Demo, args)
+    assert cfg == Demo(
+        name="n", b=2.0, flag=True, sizes=[3, 4], mode="q", limits={"u": 5}, inner=Inner(0.25), extra=True
+    )
+    assert ("inner.rate", 0.25) in flag_overrides(args)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--mode", "z"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--limits", "nokey"])
+    # file < --set < flags; unknown keys in the file name it
+    conf = tmp_path / "c.yaml"
+    conf.write_text("name: file\na: 7\nlimits: {v: 1}\n")
+    args = p.parse_args(
+        ["--config", str(conf), "--set", "name=set", "--set", "a=8", "--a", "9", "--limits", "u=2"]
+    )
+    cfg = config_from_args(Demo, args)
+    assert (cfg.name, cfg.a, cfg.limits) == ("set", 9, {"v": 1, "u": 2})
+    assert config_from_args(Demo, p.parse_args(["--config", str(conf), "--no-flag"])).flag is False
+    conf.write_text("nam: 1\n")
+    with pytest.raises(ValueError, match=r"c\.yaml: unknown config keys \['nam'\]"):
+        config_from_args(Demo, p.parse_args(["--config", str(conf)]))
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    from cepe.training import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_train_flags_give_the_config_the_override_strings_gave(tmp_path):
+    """``--steps / --output-dir / --no-progress / --profile`` and ``--set`` build the same TrainConfig (and
+    fingerprint) as the override strings they used to be turned into."""
+    from cepe.training import cli
+    from cepe.training.config import load_config
+
+    path = ROOT / "configs" / "train" / "mini" / "cepe.yaml"
+    argv = ["train", "--stage", "cepe", "--config", str(path), "--set", "optim.lr=1e-4", "--steps", "5"]
+    argv += ["--output-dir", str(tmp_path), "--no-progress", "--profile", "3"]
+    args = _train_parser().parse_args(argv)
+    new = cli._load(args, "cepe")
+    old = load_config(
+        path,
+        ["optim.lr=1e-4", "steps=5", f"output_dir={tmp_path}", "progress=false", "profile_steps=3"],
+        stage="cepe",
+    )
+    assert new == old and new.fingerprint() == old.fingerprint()
+    assert json.dumps(new.to_dict(), sort_keys=True) == json.dumps(old.to_dict(), sort_keys=True)
+    # every field is a flag; nested ones as --section.key; a run needs no file
+    args = _train_parser().parse_args(
+        ["train", "--stage", "warmup", "--output-dir", str(tmp_path), "--data.synthetic", "random"]
+        + [
+            "--optim.lr",
+            "1e-3",
+            "--tiny-decoder",
+            "hidden_size=32",
+            "--bf16",
+            "false",
+            "--data.ratio",
+            "1",
+            "1",
+        ]
+    )
+    cfg = cli._load(args, "warmup")
+    assert (cfg.data.synthetic, cfg.optim.lr, cfg.tiny_decoder, cfg.bf16) == (
+        "random",
+        1e-3,
+        {"hidden_size": 32},
+        False,
+    )
+    assert cfg.data.ratio == [1, 1]
+    same = load_config(
+        {"output_dir": str(tmp_path), "data": {"synthetic": "random", "ratio": [1, 1]}, "bf16": False},
+        ["optim.lr=1e-3", "tiny_decoder.hidden_size=32"],
+        stage="warmup",
+    )
+    assert cfg.fingerprint() == same.fingerprint()
+
+
+def test_one_dtype_map_takes_every_spelling():
+    import torch
+
+    from cepe.dtypes import torch_dtype
+
+    for names, dt in ((("fp32", "float32"), torch.float32), (("bf16", "bfloat16"), torch.bfloat16)):
+        assert all(torch_dtype(n) is dt for n in names)
+    assert torch_dtype("fp16") is torch_dtype("float16") is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        torch_dtype("int8")
