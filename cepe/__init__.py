@@ -5,8 +5,7 @@ Names are imported lazily so that ``cepe --help`` (and any light submodule) does
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cepe.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -24,9 +23,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"cepe.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'cepe' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

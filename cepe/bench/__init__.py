@@ -14,8 +14,7 @@ pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cepe.lazy import lazy_getattr
 
 _EXPORTS = {
     "BenchConfig": "config",
@@ -27,9 +26,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"cepe.bench.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'cepe.bench' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -13,8 +13,7 @@ Names are imported lazily so that ``cepe --help`` does not pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cepe.lazy import lazy_getattr
 
 _EXPORTS = {
     "BUNDLED": "corpora",
@@ -39,9 +38,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"cepe.data.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'cepe.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -11,8 +11,7 @@ Names are imported lazily so that ``cepe --help`` does not pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cepe.lazy import lazy_getattr
 
 _EXPORTS = {
     "TrainConfig": "config",
@@ -33,9 +32,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"cepe.training.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'cepe.training' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -235,7 +235,8 @@ class StageModule(nn.Module):
     @torch.no_grad()
     def _task_losses(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """The next-token loss of each example kind of a mixed stage (``batch["task"]``), for the log only
-        (no gradient; the training loss is the mean over all kinds' tokens)."""
+        (no gradient; the training loss is the mean over all kinds' tokens). Costs one more pass of the
+        output head over the scored tokens (plus the recalled spans again), forward only."""
         from .config import TASK_KINDS
 
         out = {}

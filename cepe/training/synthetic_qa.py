@@ -57,11 +57,10 @@ OBJECTS = (
 
 @dataclass
 class Fact:
-    """One planted fact: its sentence, the question about it and the answer (the fact restated)."""
+    """One planted fact: its sentence and the question about it (the answer restates the sentence)."""
 
     fact: str
     question: str
-    answer: str
 
 
 def _person(r: random.Random) -> str:
@@ -85,27 +84,27 @@ def make_fact(r: random.Random, templates: int = NUM_TEMPLATES) -> Fact:
     if kind == 0:
         v = r.choice(PLACES)
         s = f"{p} was born in {v}."
-        return Fact(s, f"Where was {p} born?", s)
+        return Fact(s, f"Where was {p} born?")
     if kind == 1:
         v = r.choice(COLORS)
         s = f"{p} painted the front door {v}."
-        return Fact(s, f"What colour did {p} paint the front door?", s)
+        return Fact(s, f"What colour did {p} paint the front door?")
     if kind == 2:
         thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}"
         v = _number(r)
         s = f"The access code for {thing} is {v}."
-        return Fact(s, f"What is the access code for {thing}?", s)
+        return Fact(s, f"What is the access code for {thing}?")
     if kind == 3:
         v = r.choice(FOODS)
         s = f"Every Sunday {p} cooks {v}."
-        return Fact(s, f"What does {p} cook every Sunday?", s)
+        return Fact(s, f"What does {p} cook every Sunday?")
     if kind == 4:
         v = r.choice(OBJECTS)
         s = f"{p} keeps {v} in the attic."
-        return Fact(s, f"What does {p} keep in the attic?", s)
+        return Fact(s, f"What does {p} keep in the attic?")
     v = _number(r)
     s = f"{p} owns {v} books."
-    return Fact(s, f"How many books does {p} own?", s)
+    return Fact(s, f"How many books does {p} own?")
 
 
 SHIPS = "Albatross Meridian Wayfarer Kestrel Northwind Halcyon Seraphine Corvid Tideline Marigold".split()
@@ -118,23 +117,23 @@ def _more_facts(kind: int, p: str, r: random.Random) -> Fact:
     Thing = "T" + thing[1:]
     if kind == 6:
         s = f"{Thing} opens at {r.randint(5, 11)} o'clock."
-        return Fact(s, f"At what time does {thing} open?", s)
+        return Fact(s, f"At what time does {thing} open?")
     if kind == 7:
         color = r.choice(COLORS)
         s = f"The password for the {color} safe is {_number(r)}."
-        return Fact(s, f"What is the password for the {color} safe?", s)
+        return Fact(s, f"What is the password for the {color} safe?")
     if kind == 8:
         s = f"The ferry from {place} to {other} leaves every {r.choice((10, 15, 20, 30, 40, 45))} minutes."
-        return Fact(s, f"How often does the ferry from {place} to {other} leave?", s)
+        return Fact(s, f"How often does the ferry from {place} to {other} leave?")
     if kind == 9:
         s = f"Each spring the festival in {place} celebrates {r.choice(FOODS)}."
-        return Fact(s, f"What does the festival in {place} celebrate each spring?", s)
+        return Fact(s, f"What does the festival in {place} celebrate each spring?")
     if kind == 10:
         s = f"{Thing} was built in {r.randint(1200, 1990)}."
-        return Fact(s, f"When was {thing} built?", s)
+        return Fact(s, f"When was {thing} built?")
     ship = r.choice(SHIPS)
     s = f"{p} is the captain of the ship {ship}."
-    return Fact(s, f"Who is the captain of the ship {ship}?", s)
+    return Fact(s, f"Who is the captain of the ship {ship}?")
 
 
 class ByteCodec:
