@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,45 @@ def _prepare_out_dir(out: Path) -> None:
         )
 
 
+@dataclass
+class PrepareDataConfig:
+    """The arguments of :func:`prepare_data`, which are the flags of ``cepe prepare-data``.
+
+    Attributes:
+        out_dir: output directory; replaced as a whole if it already holds a cepe dataset.
+        corpora: bundled corpus names (``austen``, ``acl``, ``stdlib``, ``linux-docs``, ``linux-code``,
+            ``bbc``, ``essays``) and/or local files or directories (text, JSONL, parquet; see
+            :func:`cepe.data.formats.read_path`).
+        tokenizer: ``default`` (SmolLM2-135M-Instruct) or a directory / hub id (:func:`prepare_data` also
+            takes a loaded tokenizer).
+        seed: split seed (see :func:`cepe.data.split.assign_split`).
+        test_fraction / retrieval_fraction: document fractions of the held-out splits.
+        max_docs: read at most this many documents per corpus (quick runs; default: all).
+        shard_tokens: tokens per shard file.
+        text_field: text field of JSONL / parquet records.
+        download: allow fetching Debian packages (Austen 1.6 MB, Linux 139 MB) into the cache.
+        dedupe: skip documents whose exact text was already seen (so copies cannot leak across splits).
+        progress: show a progress bar.
+    """
+
+    out_dir: str
+    corpora: list[str] = field(default_factory=list)
+    tokenizer: str = "default"
+    seed: int = 0
+    test_fraction: float = 0.05
+    retrieval_fraction: float = 0.05
+    max_docs: int | None = None
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    text_field: str = "text"
+    download: bool = True
+    dedupe: bool = True
+    progress: bool = True
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`prepare_data`: ``prepare_data(**cfg.kwargs())``."""
+        return asdict(self)
+
+
 def prepare_data(
     corpora: Sequence[str],
     out_dir: str | os.PathLike[str],
@@ -93,20 +133,8 @@ def prepare_data(
 ) -> Path:
     """Tokenize corpora into train / test / retrieval shards under ``out_dir``.
 
-    Args:
-        corpora: bundled corpus names (``"austen"``, ``"acl"``, ``"stdlib"``, ``"linux-docs"``,
-            ``"linux-code"``, ``"bbc"``, ``"essays"``) and/or local files or directories (text, JSONL,
-            parquet; see :func:`cepe.data.formats.read_path`).
-        out_dir: output directory; replaced as a whole if it already holds a cepe dataset.
-        tokenizer: ``"default"`` (SmolLM2-135M-Instruct), a directory / hub id, or a tokenizer object.
-        seed: split seed (see :func:`cepe.data.split.assign_split`).
-        test_fraction, retrieval_fraction: document fractions of the held-out splits.
-        max_docs: read at most this many documents per corpus (quick runs).
-        shard_tokens: tokens per shard file.
-        text_field: text field of JSONL / parquet records.
-        download: allow fetching Debian packages (Austen 1.6 MB, Linux 139 MB) into the cache.
-        dedupe: skip documents whose exact text was already seen (so copies cannot leak across splits).
-        progress: show a tqdm progress bar.
+    The arguments are the fields of :class:`PrepareDataConfig` (documented there, with the same defaults);
+    ``tokenizer`` may also be a loaded tokenizer object.
 
     Returns:
         ``out_dir``, holding the shards, ``index.json`` and ``summary.json`` (documents, tokens and
