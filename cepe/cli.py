@@ -3,7 +3,8 @@
 Each command module below exposes ``register(subparsers)`` that adds its sub-commands; a sub-command's
 ``func(args)`` imports the library it needs and returns an exit code. Command modules import no torch or
 transformers at module level, so ``cepe --help`` and ``cepe <command> --help`` stay fast
-(``tests/test_cli_light.py`` checks it).
+(``tests/test_structure.py`` checks it). Every sub-command's flags are generated from its config
+dataclass (:func:`cepe.configio.add_config_flags`; ``tests/test_cli_configs.py`` checks it).
 """
 
 from __future__ import annotations

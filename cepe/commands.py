@@ -1,35 +1,98 @@
-"""Core CLI commands: ``cepe generate`` (answer from a long context), ``cepe info`` and ``cepe export``
-(the library functions are in :mod:`cepe.generation`)."""
+"""Core CLI commands: ``cepe generate`` (answer from a long context), ``cepe info`` and ``cepe export``.
+
+Each command is a function of one dataclass (:func:`generate_text` of :class:`GenerateConfig`,
+:func:`describe_model` of :class:`InfoConfig`, :func:`export_adapter` of :class:`ExportConfig`) whose fields
+are the command's flags (:func:`cepe.configio.add_config_flags`); the model code they call is
+:mod:`cepe.generation` and :mod:`cepe.modeling`, imported when a command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from cepe.config import CACHE_MODES
+from cepe.configio import add_config_flags, config_from_args
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+@dataclass
+class GenerateConfig:
+    """``cepe generate``: answer a prompt about a long context file.
+
+    Attributes:
+        prompt: the question or instruction.
+        model: a CEPE adapter directory, a released checkpoint, or a decoder (then with an untrained
+            encoder, announced on stderr).
+        context: text file whose content goes to the encoder (default: no context).
+        max_new_tokens: tokens generated (greedy).
+        decoder_tokens: last context tokens kept in the decoder (before the prompt) instead of the encoder.
+        cache: the cross-attention cache while decoding (default: the model's).
+        chat: wrap the prompt in the tokenizer's chat template, when it has one.
+    """
+
+    prompt: str
+    model: str = "default"
+    context: str | None = None
+    max_new_tokens: int = 64
+    decoder_tokens: int = 0
+    cache: str | None = field(default=None, metadata={"choices": CACHE_MODES})
+    chat: bool = True
+
+
+@dataclass
+class InfoConfig:
+    """``cepe info``: describe a CEPE model.
+
+    Attributes:
+        model: a CEPE adapter directory, a released checkpoint, or a decoder (then with an untrained encoder).
+    """
+
+    model: str = "default"
+
+
+@dataclass
+class ExportConfig:
+    """``cepe export``: re-save an adapter (e.g. with int8 weight storage for shipping).
+
+    Attributes:
+        model: the CEPE adapter directory to read.
+        out: the directory to write.
+        quantize: weight storage of the written adapter (default: as loaded).
+        decoder_name: decoder name to record in the adapter's config, e.g. ``default`` (default: keep the
+            recorded one).
+    """
+
+    model: str
+    out: str
+    quantize: str | None = field(default=None, metadata={"choices": ("int8",)})
+    decoder_name: str | None = None
+
+
+def generate_text(cfg: GenerateConfig) -> str:
+    """The answer of ``cepe generate`` (:func:`cepe.generation.generate_from_context` on the loaded model)."""
     from .generation import generate_from_context, load_model
 
-    model, tok, fresh = load_model(args.model)
+    model, tok, fresh = load_model(cfg.model)
     if fresh:
         print("note: untrained CEPE encoder (no adapter given): the context cannot help yet", file=sys.stderr)
-    context = Path(args.context).read_text() if args.context else ""
-    text = generate_from_context(
-        model, tok, context, args.prompt, args.max_new_tokens, args.decoder_tokens, args.cache
+    context = Path(cfg.context).read_text() if cfg.context else ""
+    return generate_from_context(
+        model, tok, context, cfg.prompt, cfg.max_new_tokens, cfg.decoder_tokens, cfg.cache, chat=cfg.chat
     )
-    print(text)
-    return 0
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
+def describe_model(cfg: InfoConfig) -> dict[str, Any]:
+    """What ``cepe info`` prints: decoder, cross-attention layers, encoder, chunk length, parameter counts."""
     from .generation import load_model
 
-    model, _, fresh = load_model(args.model)
+    model, _, fresh = load_model(cfg.model)
     n_train = sum(p.numel() for p in model.trainable_parameters())
     n_all = sum(p.numel() for p in model.parameters())
-    info = {
+    return {
         "decoder": model.cepe_config.decoder_name_or_path,
         "decoder_layers_with_cross_attention": model.cross_layers,
         "encoder": model.cepe_config.encoder.__dict__,
@@ -38,38 +101,44 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "total_parameters": n_all,
         "untrained_encoder": fresh,
     }
-    print(json.dumps(info, indent=2))
+
+
+def export_adapter(cfg: ExportConfig) -> Path:
+    """Re-save the adapter ``cfg.model`` into ``cfg.out``; returns ``cfg.out``."""
+    from .modeling import CepeForCausalLM
+
+    model = CepeForCausalLM.from_pretrained(cfg.model)
+    if cfg.decoder_name:
+        model.cepe_config.decoder_name_or_path = cfg.decoder_name
+    model.save_pretrained(cfg.out, quantize=cfg.quantize)
+    return Path(cfg.out)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    print(generate_text(config_from_args(GenerateConfig, args, "generate config")))
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    print(json.dumps(describe_model(config_from_args(InfoConfig, args, "info config")), indent=2))
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .modeling import CepeForCausalLM
-
-    model = CepeForCausalLM.from_pretrained(args.model)
-    if args.decoder_name:
-        model.cepe_config.decoder_name_or_path = args.decoder_name
-    model.save_pretrained(args.out, quantize=args.quantize)
-    size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
-    print(f"wrote {args.out} ({size / 2**20:.1f} MiB)")
+    out = export_adapter(config_from_args(ExportConfig, args, "export config"))
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``generate``, ``info`` and ``export`` to the ``cepe`` command."""
-    p = sub.add_parser("generate", help="answer a prompt about a long context file")
-    p.add_argument("--model", default="default", help="CEPE adapter dir, released checkpoint, or decoder")
-    p.add_argument("--context", help="text file whose content goes (mostly) to the encoder")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--decoder-tokens", type=int, default=0, help="last context tokens kept in the decoder")
-    p.add_argument("--cache", choices=["kv", "states", "absorbed"], default=None)
-    p.set_defaults(func=_cmd_generate)
-    p = sub.add_parser("export", help="re-save an adapter (e.g. int8 weight storage for shipping)")
-    p.add_argument("--model", required=True, help="CEPE adapter dir")
-    p.add_argument("--out", required=True)
-    p.add_argument("--quantize", choices=["int8"], default=None)
-    p.add_argument("--decoder-name", help="decoder name to record in the config (e.g. 'default')")
-    p.set_defaults(func=_cmd_export)
-    p = sub.add_parser("info", help="describe a CEPE model")
-    p.add_argument("--model", default="default")
-    p.set_defaults(func=_cmd_info)
+    for name, cls, func, help_text in (
+        ("generate", GenerateConfig, _cmd_generate, "answer a prompt about a long context file"),
+        ("export", ExportConfig, _cmd_export, "re-save an adapter (e.g. int8 weight storage for shipping)"),
+        ("info", InfoConfig, _cmd_info, "describe a CEPE model"),
+    ):
+        desc = f"{help_text[0].upper()}{help_text[1:]}. Every {cls.__name__} field is a flag."
+        p = sub.add_parser(name, help=help_text, description=desc)
+        add_config_flags(p, cls)
+        p.set_defaults(func=func)

@@ -263,6 +263,7 @@ def add_config_flags(
     aliases: dict[str, list[str]] | None = None,
     prefix: str = "",
     config_file: str | None = None,
+    _in_file: bool = False,
 ) -> None:
     """Add one flag per field of dataclass ``cls`` to an ``argparse`` parser.
 
@@ -271,7 +272,8 @@ def add_config_flags(
     :func:`field_docs`, plus the default) come from the dataclass. ``bool`` fields get ``--x`` / ``--no-x``,
     lists take several values, ``dict`` fields take ``KEY=VALUE`` (repeatable; merged into the mapping),
     anything else a YAML value. A flag not given leaves the file's value alone (read them back with
-    :func:`flag_overrides`). ``config_file``: also add ``--config FILE`` (this help) and ``--set KEY=VALUE``.
+    :func:`flag_overrides`). ``config_file``: also add ``--config FILE`` (this help) and ``--set KEY=VALUE``;
+    without it, a field with no default is a required flag.
     """
     import argparse
 
@@ -293,7 +295,8 @@ def add_config_flags(
         key = f"{prefix}{f.name}"
         nested = _nested_dataclass(f)
         if nested is not None:
-            add_config_flags(parser, nested, prefix=f"{key}.", exclude=[], aliases=aliases)
+            in_file = _in_file or config_file is not None
+            add_config_flags(parser, nested, prefix=f"{key}.", exclude=[], aliases=aliases, _in_file=in_file)
             continue
         flag = "--" + key.replace("_", "-")
         names = [flag, *aliases.get(key, [])]
@@ -301,9 +304,11 @@ def add_config_flags(
         choices = f.metadata.get("choices") or _literal_choices(str(f.type))
         help_text = docs.get(f.name, "")
         default = _default(f)
-        if default is not dataclasses.MISSING:
+        if default is not dataclasses.MISSING and "default:" not in help_text:  # the doc may say it
             help_text = f"{help_text} (default: {default})".strip()
         kw: dict[str, Any] = {"dest": FLAG_PREFIX + key, "default": argparse.SUPPRESS}
+        if default is dataclasses.MISSING and config_file is None and not _in_file:
+            kw["required"] = True  # nothing else can give it
         kw["help"] = _plain(help_text).replace("%", "%%") or None
         if kind != "bool":
             kw["metavar"] = key.rsplit(".", 1)[-1].upper()
@@ -325,6 +330,16 @@ def add_config_flags(
             kw["type"] = _yaml_value
             kw["help"] = f"{kw['help'] or ''} (a YAML value)".strip()
         parser.add_argument(*names, **kw)
+
+
+def add_const_flag(parser: Any, name: str, key: str, value: Any, help: str | None = None) -> None:
+    """A flag without a value that sets config ``key`` to ``value``, read back by :func:`flag_overrides` like
+    a generated flag: spellings kept from hand-written parsers (``--quiet`` = ``--no-progress``)."""
+    import argparse
+
+    parser.add_argument(
+        name, dest=FLAG_PREFIX + key, action="store_const", const=value, default=argparse.SUPPRESS, help=help
+    )
 
 
 def flag_overrides(args: Any) -> list[tuple[str, Any]]:

@@ -12,14 +12,34 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cepe.configio import add_config_flags, config_from_args
 from cepe.tables import pipe_table
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADAPTER = REPO / "adapters" / "smollm2-135m-cepe"
 METHODS = ["cepe", "truncated", "full", "streamingllm", "replug"]
+
+
+@dataclass
+class MainConfig:
+    """The arguments of :func:`run_main`, which are the flags of ``cepe main``.
+
+    Attributes:
+        adapter: a CEPE adapter directory (default: the shipped adapters/smollm2-135m-cepe; without it, an
+            untrained encoder, announced as such).
+        out: output directory of ``main.json``, ``lm/`` and ``needle/``.
+        quick: fewer lengths and sequences (a smoke run).
+        config_dir: directory with ``lm.yaml`` and ``needle.yaml`` (default: the repository's configs/main).
+    """
+
+    adapter: str | None = None
+    out: str = "runs/main"
+    quick: bool = False
+    config_dir: str | None = None
 
 
 def _load_config(path: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -35,15 +55,9 @@ def run_main(
     adapter: str | Path | None = None,
     out: str | Path = "runs/main",
     quick: bool = False,
-    config_dir: str | Path = REPO / "configs" / "main",
+    config_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run the main job and write its reports under ``out``.
-
-    Args:
-        adapter: a CEPE adapter directory (default: the shipped one; falls back to an untrained encoder).
-        out: output directory.
-        quick: fewer lengths and sequences (a smoke run).
-        config_dir: directory with ``lm.yaml`` and ``needle.yaml``.
+    """Run the main job and write its reports under ``out`` (the arguments: :class:`MainConfig`).
 
     Returns:
         ``{"lm": result, "needle": result, "generation": {...}, "adapter": ..., "trained": bool}``.
@@ -55,7 +69,7 @@ def run_main(
     from cepe.generation import generate_from_context
 
     out = Path(out)
-    config_dir = Path(config_dir)
+    config_dir = Path(config_dir) if config_dir else REPO / "configs" / "main"
     adapter = Path(adapter) if adapter else DEFAULT_ADAPTER
     # results name the adapter relative to the repository (no machine paths); loading uses the real path
     shown = adapter.relative_to(REPO) if adapter.is_absolute() and adapter.is_relative_to(REPO) else adapter
@@ -174,18 +188,24 @@ def needle_table(result: dict[str, Any]) -> str:
 
 
 def _cmd_main(args: argparse.Namespace) -> int:
-    run_main(args.adapter, args.out, args.quick)
+    run_main(**asdict(config_from_args(MainConfig, args, "main config")))
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``cepe main`` to the ``cepe`` command."""
-    p = sub.add_parser("main", help="the main job: trained CEPE vs baselines on held-out documents")
-    p.add_argument("--adapter", help="CEPE adapter dir (default: the shipped adapters/smollm2-135m-cepe)")
-    p.add_argument("--out", default="runs/main")
-    p.add_argument("--quick", action="store_true", help="fewer lengths and sequences")
+    p = sub.add_parser(
+        "main",
+        help="the main job: trained CEPE vs baselines on held-out documents",
+        description="The main job (run_main); every MainConfig field is a flag.",
+    )
+    add_config_flags(p, MainConfig)
     p.set_defaults(func=_cmd_main)
 
 
 if __name__ == "__main__":
-    sys.exit(_cmd_main(argparse.Namespace(adapter=None, out="runs/main", quick="--quick" in sys.argv)))
+    from cepe.cliutil import run
+
+    parser = argparse.ArgumentParser(prog="python -m cepe.main_job")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    sys.exit(run(parser, ["main", *sys.argv[1:]]))

@@ -368,12 +368,7 @@ def create_app(service: CepeService, api_key: str | None = None):
     """The FastAPI application over ``service``; ``api_key`` (if set) is required as a bearer token on
     every ``/v1`` route."""
     from fastapi import Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    limits = service.limits
 
     class Message(BaseModel):
         model_config = ConfigDict(extra="ignore", strict=True)
@@ -418,45 +413,15 @@ def create_app(service: CepeService, api_key: str | None = None):
 
     app = FastAPI(title="cepe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    app.add_middleware(BodyLimit, limit=limits.max_upload_bytes)
-
-    def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
-        return {"error": {"message": message, "type": kind, "code": status}}
-
-    @app.exception_handler(ServiceError)
-    async def _service_error(request: Request, err: ServiceError):
-        return JSONResponse(error_body(err.status, err.message, err.kind), err.status, headers=err.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, err: RequestValidationError):
-        parts = []
-        for e in err.errors()[:5]:
-            if e.get("type") == "json_invalid":
-                parts.append(f"malformed JSON body ({e.get('ctx', {}).get('error', 'JSON decode error')})")
-                continue
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-            parts.append(f"{loc}: {e.get('msg')}")
-        return JSONResponse(
-            error_body(400, "invalid request: " + "; ".join(parts), "invalid_request_error"), 400
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, err: StarletteHTTPException):
-        return JSONResponse(
-            error_body(err.status_code, str(err.detail), "invalid_request_error"), err.status_code
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception):
-        return JSONResponse(
-            error_body(500, f"internal error: {type(err).__name__}: {err}", "server_error"), 500
-        )
+    app.add_middleware(BodyLimit, limit=service.limits.max_upload_bytes)
+    _add_error_handlers(app)
+    guarded = [Depends(auth)]
 
     @app.get("/health")
     async def health():
         return service.health()
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    @app.get("/v1/models", dependencies=guarded)
     async def models():
         return {
             "object": "list",
@@ -470,21 +435,84 @@ def create_app(service: CepeService, api_key: str | None = None):
             ],
         }
 
-    # ------------------------------------------------------------------ contexts
-    @app.get("/v1/contexts", dependencies=[Depends(auth)])
+    _add_context_routes(app, service, guarded)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(req: ChatRequest):
+        spec = _completion_spec(service, req, [m.model_dump() for m in req.messages], None)
+        return await _complete(service, req, spec, chat=True)
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(req: CompletionRequest):
+        spec = _completion_spec(service, req, None, req.prompt)
+        return await _complete(service, req, spec, chat=False)
+
+    return app
+
+
+def _error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _add_error_handlers(app) -> None:
+    """Every error as an OpenAI-style ``{"error": {"message", "type", "code"}}`` body."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, err: ServiceError):
+        return JSONResponse(_error_body(err.status, err.message, err.kind), err.status, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        parts = []
+        for e in err.errors()[:5]:
+            if e.get("type") == "json_invalid":
+                parts.append(f"malformed JSON body ({e.get('ctx', {}).get('error', 'JSON decode error')})")
+                continue
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{loc}: {e.get('msg')}")
+        return JSONResponse(
+            _error_body(400, "invalid request: " + "; ".join(parts), "invalid_request_error"), 400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        return JSONResponse(
+            _error_body(err.status_code, str(err.detail), "invalid_request_error"), err.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        return JSONResponse(
+            _error_body(500, f"internal error: {type(err).__name__}: {err}", "server_error"), 500
+        )
+
+
+def _add_context_routes(app, service: CepeService, guarded: list[Any]) -> None:
+    """``GET /v1/contexts``, ``GET`` / ``DELETE /v1/contexts/{id}`` and ``POST /v1/contexts`` (the
+    encoding runs on the model thread, behind the same queue as completions)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    limits = service.limits
+
+    @app.get("/v1/contexts", dependencies=guarded)
     def list_contexts():
         return {"object": "list", "data": [_context_view(r) for r in service.store.list()]}
 
-    @app.get("/v1/contexts/{cid}", dependencies=[Depends(auth)])
+    @app.get("/v1/contexts/{cid}", dependencies=guarded)
     def get_context(cid: str):
         return _context_view(_store_call(service.store.show, cid))
 
-    @app.delete("/v1/contexts/{cid}", dependencies=[Depends(auth)])
+    @app.delete("/v1/contexts/{cid}", dependencies=guarded)
     def delete_context(cid: str):
         _store_call(service.store.remove, cid)
         return {"id": cid, "object": "context", "deleted": True}
 
-    @app.post("/v1/contexts", dependencies=[Depends(auth)])
+    @app.post("/v1/contexts", dependencies=guarded)
     async def add_context(request: Request):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limits.max_upload_bytes:
@@ -512,171 +540,180 @@ def create_app(service: CepeService, api_key: str | None = None):
         view = _context_view(service.store.show(cid))
         return JSONResponse({**view, "added": added}, status_code=201 if added else 200)
 
-    # ------------------------------------------------------------------ completions
-    def make_spec(req: Common, messages: list[dict[str, str]] | None, prompt: str | None) -> dict[str, Any]:
-        max_new = req.max_completion_tokens or req.max_tokens or limits.default_new_tokens
-        if max_new > limits.max_new_tokens:
+
+def _completion_spec(
+    service: CepeService, req: Any, messages: list[dict[str, str]] | None, prompt: str | None
+) -> dict[str, Any]:
+    """The generation job of a (chat) completion request, checked against the limits and the store."""
+    limits = service.limits
+    max_new = req.max_completion_tokens or req.max_tokens or limits.default_new_tokens
+    if max_new > limits.max_new_tokens:
+        raise ServiceError(
+            400, f"max_tokens {max_new} exceeds this server's limit of {limits.max_new_tokens}"
+        )
+    for cid in req.contexts:
+        try:
+            check_id(cid)
+        except ContextNotFound as err:
+            raise ServiceError(400, str(err)) from err
+        if cid not in service.store:
             raise ServiceError(
-                400, f"max_tokens {max_new} exceeds this server's limit of {limits.max_new_tokens}"
+                404, f"unknown context id {cid}; list them with GET /v1/contexts", "not_found_error"
             )
-        for cid in req.contexts:
-            try:
-                check_id(cid)
-            except ContextNotFound as err:
-                raise ServiceError(400, str(err)) from err
-            if cid not in service.store:
-                raise ServiceError(
-                    404, f"unknown context id {cid}; list them with GET /v1/contexts", "not_found_error"
-                )
-        if messages is not None:
-            ids = prompt_ids(service.tokenizer, messages)
-            users = [m["content"] for m in messages if m["role"] == "user"]
-            query = users[-1] if users else messages[-1]["content"]
-        else:
-            ids = list(service.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            query = prompt
-        if not ids:
-            raise ServiceError(400, "the prompt is empty")
-        if len(ids) > limits.max_prompt_tokens:
-            raise ServiceError(
-                400,
-                f"the prompt has {len(ids)} tokens, more than this server's limit of {limits.max_prompt_tokens}",
-            )
-        budget = min(req.context_budget or limits.max_context_tokens, limits.max_context_tokens)
+    if messages is not None:
+        ids = prompt_ids(service.tokenizer, messages)
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        query = users[-1] if users else messages[-1]["content"]
+    else:
+        ids = list(service.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        query = prompt
+    if not ids:
+        raise ServiceError(400, "the prompt is empty")
+    if len(ids) > limits.max_prompt_tokens:
+        raise ServiceError(
+            400,
+            f"the prompt has {len(ids)} tokens, more than this server's limit of {limits.max_prompt_tokens}",
+        )
+    budget = min(req.context_budget or limits.max_context_tokens, limits.max_context_tokens)
+    return {
+        "prompt_ids": ids,
+        "query": query,
+        "contexts": list(req.contexts),
+        "budget": budget,
+        "retriever": req.retriever,
+        "max_new_tokens": max_new,
+        "temperature": req.temperature or 0.0,
+        "top_p": req.top_p,
+        "seed": req.seed,
+    }
+
+
+class _Reply:
+    """The response envelope of one completion: id, creation time, model, and chat or text shapes."""
+
+    def __init__(self, service: CepeService, chat: bool, n_prompt: int) -> None:
+        self.chat, self.n_prompt = chat, n_prompt
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model = service.model_name
+
+    def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
-            "prompt_ids": ids,
-            "query": query,
-            "contexts": list(req.contexts),
-            "budget": budget,
-            "retriever": req.retriever,
-            "max_new_tokens": max_new,
-            "temperature": req.temperature or 0.0,
-            "top_p": req.top_p,
-            "seed": req.seed,
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
         }
 
-    async def complete(req: Common, spec: dict[str, Any], chat: bool):
-        loop = asyncio.get_running_loop()
-        job = service.make_job(loop, spec)
-        service.worker.submit(job)
-        try:
-            await job.ready  # contexts loaded: errors before this point are plain HTTP errors
-        except asyncio.CancelledError:
-            job.cancel("client gone")
-            raise
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        n_prompt = len(spec["prompt_ids"])
-        if not req.stream:
-            delta = TextDelta(service.tokenizer)
-            try:
-                info = await job.done
-            except asyncio.CancelledError:
-                job.cancel("client gone")
-                raise
-            text = ""
-            while not job.events.empty():
-                kind, payload = job.events.get_nowait()
-                if kind == "token":
-                    text += delta.push(payload)
-            text += delta.push([], final=True)
-            usage = _usage(n_prompt, info["completion_tokens"])
-            if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": info["finish_reason"],
-                    "logprobs": None,
-                }
-            else:
-                choice = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}
-            return {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": service.model_name,
-                "choices": [choice],
-                "usage": usage,
-                "cepe": _cepe_info(info),
+    def whole(self, text: str, info: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed answer."""
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": info["finish_reason"],
+                "logprobs": None,
             }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}
+        return {
+            **self.envelope("chat.completion" if self.chat else "text_completion", [choice]),
+            "usage": _usage(self.n_prompt, info["completion_tokens"]),
+            "cepe": _cepe_info(info),
+        }
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    def chunk(self, delta_text: str | None, finish: str | None, first: bool = False, extra=None) -> str:
+        """One server-sent event of a stream."""
+        if self.chat:
+            d: dict[str, Any] = {}
+            if first:
+                d["role"] = "assistant"
+            if delta_text:
+                d["content"] = delta_text
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+        obj = self.envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return f"data: {json.dumps({**obj, **(extra or {})})}\n\n"
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False, extra=None) -> str:
-            if chat:
-                d: dict[str, Any] = {}
-                if first:
-                    d["role"] = "assistant"
-                if delta_text:
-                    d["content"] = delta_text
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            obj = {
-                "id": rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": service.model_name,
-                "choices": [choice],
-                **(extra or {}),
-            }
-            return f"data: {json.dumps(obj)}\n\n"
+    def usage_chunk(self, completion_tokens: int) -> str:
+        obj = {
+            **self.envelope("chat.completion.chunk", []),
+            "usage": _usage(self.n_prompt, completion_tokens),
+        }
+        return f"data: {json.dumps(obj)}\n\n"
 
-        async def events() -> AsyncIterator[str]:
-            delta = TextDelta(service.tokenizer)
-            ended = False
-            try:
-                if chat:
-                    yield chunk(None, None, first=True)
-                while True:
-                    kind, payload = await job.events.get()
-                    if kind == "token":
-                        piece = delta.push(payload)
-                        if piece:
-                            yield chunk(piece, None)
-                    elif kind == "end":
-                        ended = True
-                        rest = delta.push([], final=True)
-                        if rest:
-                            yield chunk(rest, None)
-                        yield chunk(None, payload["finish_reason"], extra={"cepe": _cepe_info(payload)})
-                        if include_usage:
-                            usage = _usage(n_prompt, payload["completion_tokens"])
-                            obj = {
-                                "id": rid,
-                                "object": "chat.completion.chunk",
-                                "created": created,
-                                "model": service.model_name,
-                                "choices": [],
-                                "usage": usage,
-                            }
-                            yield f"data: {json.dumps(obj)}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                    else:  # an error after the first token: report it in the stream and end it
-                        err = payload
-                        msg = err.message if isinstance(err, ServiceError) else f"{type(err).__name__}: {err}"
-                        yield f"data: {json.dumps(error_body(500, msg, 'server_error'))}\n\n"
-                        return
-            finally:
-                if not ended:
-                    job.cancel("client gone")  # the client left (or the stream failed): stop generating
 
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+async def _complete(service: CepeService, req: Any, spec: dict[str, Any], chat: bool):
+    """Run ``spec`` on the model thread; the whole answer, or (``req.stream``) a stream of its tokens."""
+    from fastapi.responses import StreamingResponse
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat_completions(req: ChatRequest):
-        spec = make_spec(req, [m.model_dump() for m in req.messages], None)
-        return await complete(req, spec, chat=True)
+    job = service.make_job(asyncio.get_running_loop(), spec)
+    service.worker.submit(job)
+    try:
+        await job.ready  # contexts loaded: errors before this point are plain HTTP errors
+    except asyncio.CancelledError:
+        job.cancel("client gone")
+        raise
+    reply = _Reply(service, chat, len(spec["prompt_ids"]))
+    if not req.stream:
+        return await _whole_answer(service, job, reply)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(
+        _events(service, job, reply, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(req: CompletionRequest):
-        spec = make_spec(req, None, req.prompt)
-        return await complete(req, spec, chat=False)
 
-    return app
+async def _whole_answer(service: CepeService, job: Job, reply: _Reply) -> dict[str, Any]:
+    delta = TextDelta(service.tokenizer)
+    try:
+        info = await job.done
+    except asyncio.CancelledError:
+        job.cancel("client gone")
+        raise
+    text = ""
+    while not job.events.empty():
+        kind, payload = job.events.get_nowait()
+        if kind == "token":
+            text += delta.push(payload)
+    text += delta.push([], final=True)
+    return reply.whole(text, info)
+
+
+async def _events(service: CepeService, job: Job, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of a streamed answer; a client that leaves stops the generation."""
+    delta = TextDelta(service.tokenizer)
+    ended = False
+    try:
+        if reply.chat:
+            yield reply.chunk(None, None, first=True)
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "token":
+                piece = delta.push(payload)
+                if piece:
+                    yield reply.chunk(piece, None)
+            elif kind == "end":
+                ended = True
+                rest = delta.push([], final=True)
+                if rest:
+                    yield reply.chunk(rest, None)
+                yield reply.chunk(None, payload["finish_reason"], extra={"cepe": _cepe_info(payload)})
+                if include_usage:
+                    yield reply.usage_chunk(payload["completion_tokens"])
+                yield "data: [DONE]\n\n"
+                return
+            else:  # an error after the first token: report it in the stream and end it
+                err = payload
+                msg = err.message if isinstance(err, ServiceError) else f"{type(err).__name__}: {err}"
+                yield f"data: {json.dumps(_error_body(500, msg, 'server_error'))}\n\n"
+                return
+    finally:
+        if not ended:
+            job.cancel("client gone")  # the client left (or the stream failed): stop generating
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

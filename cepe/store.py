@@ -38,12 +38,12 @@ from safetensors.torch import save_file
 from . import fileio
 from .chunking import chunk_ids
 from .dtypes import torch_dtype
+from .serve_config import STORE_DTYPES
 from .training.runctl import pid_alive
 
 STORE_FORMAT = "cepe-context-store"
 STORE_VERSION = 1
 CONTEXT_FORMAT = "cepe-context/1"
-STORE_DTYPES = ("bf16", "fp32", "fp16")  # dtypes of a stored Φ (cepe.dtypes.torch_dtype)
 ID_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".tex", ".html", ".json", ".csv", ".yaml", ".yml", ".toml"}
 

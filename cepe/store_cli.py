@@ -12,31 +12,34 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from typing import Any
 
-from .serve_config import LOOPBACK, ServeLimits
+from .configio import add_config_flags, add_const_flag, config_from_args
+from .serve_config import LOOPBACK, SERVE_LIMIT_FLAGS, AskConfig, ContextAddConfig, ServeConfig, StoreConfig
 
 
-def _open(args: argparse.Namespace, with_model: bool):
+def _open(cfg: StoreConfig | ContextAddConfig | AskConfig, with_model: bool):
     from .store import ContextStore
 
     if not with_model:
-        return ContextStore(args.store)
+        return ContextStore(cfg.store)
     from .generation import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer(args.model)
-    return ContextStore(args.store, model, tok, dtype=getattr(args, "dtype", "bf16"))
+    model, tok = load_model_and_tokenizer(cfg.model)
+    return ContextStore(cfg.store, model, tok, dtype=getattr(cfg, "dtype", "bf16"))
 
 
 def _cmd_add(args: argparse.Namespace) -> int:
-    store = _open(args, with_model=True)
+    store = _open(config_from_args(ContextAddConfig, args, "context add config"), with_model=True)
     store.add_paths(args.paths, log=print)
     return 0
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    rows = _open(args, with_model=False).list()
-    if args.json:
+    cfg = config_from_args(StoreConfig, args, "context list config")
+    rows = _open(cfg, with_model=False).list()
+    if cfg.json:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
@@ -48,35 +51,41 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    print(json.dumps(_open(args, with_model=False).show(args.id), indent=2))
+    store = _open(config_from_args(StoreConfig, args, "context show config"), with_model=False)
+    print(json.dumps(store.show(args.id), indent=2))
     return 0
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    store = _open(args, with_model=False)
+    store = _open(config_from_args(StoreConfig, args, "context rm config"), with_model=False)
     for cid in args.ids:
         store.remove(cid)
         print(f"removed {cid}")
     return 0
 
 
-def _cmd_ask(args: argparse.Namespace) -> int:
+def ask_question(cfg: AskConfig, question: str) -> dict[str, Any]:
+    """``cepe ask``: :func:`cepe.store.ask` with the model and store of ``cfg``."""
     from .store import ask
 
-    store = _open(args, with_model=True)
-    ids = [i.strip() for i in args.context.split(",") if i.strip()]
-    out = ask(
+    store = _open(cfg, with_model=True)
+    return ask(
         store.model,
         store.tokenizer,
         store,
-        args.question,
-        ids,
-        max_new_tokens=args.max_new_tokens,
-        budget_tokens=args.budget,
-        retriever=args.retriever,
-        cross_attention_cache=args.cache,
+        question,
+        cfg.context_ids(),
+        max_new_tokens=cfg.max_new_tokens,
+        budget_tokens=cfg.budget,
+        retriever=cfg.retriever,
+        cross_attention_cache=cfg.cache,
     )
-    if args.json:
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    cfg = config_from_args(AskConfig, args, "ask config")
+    out = ask_question(cfg, args.question)
+    if cfg.json:
         print(json.dumps(out, indent=2))
     else:
         print(out["answer"])
@@ -98,42 +107,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="context_command", metavar="ACTION", required=True)
     a = csub.add_parser("add", help="tokenize, chunk, encode and store files (directories: every text file)")
     a.add_argument("paths", nargs="+", metavar="FILE|DIR")
-    a.add_argument("--store", required=True, help="store directory (created if missing)")
-    a.add_argument("--model", default="default", help="CEPE adapter dir (as for `cepe generate`) or 'tiny'")
-    a.add_argument(
-        "--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="storage dtype of a new store"
-    )
+    add_config_flags(a, ContextAddConfig)
     a.set_defaults(func=_cmd_add)
     a = csub.add_parser("list", help="the stored contexts")
-    a.add_argument("--store", required=True)
-    a.add_argument("--json", action="store_true")
+    add_config_flags(a, StoreConfig)
     a.set_defaults(func=_cmd_list)
     a = csub.add_parser("show", help="metadata of one stored context")
     a.add_argument("id")
-    a.add_argument("--store", required=True)
+    add_config_flags(a, StoreConfig, exclude=["json"])
     a.set_defaults(func=_cmd_show)
     a = csub.add_parser("rm", help="remove stored contexts")
     a.add_argument("ids", nargs="+", metavar="ID")
-    a.add_argument("--store", required=True)
+    add_config_flags(a, StoreConfig, exclude=["json"])
     a.set_defaults(func=_cmd_rm)
 
     p = sub.add_parser("ask", help="answer a question from stored contexts (no re-encoding)")
     p.add_argument("question")
-    p.add_argument("--store", required=True)
-    p.add_argument("--context", required=True, help="context id(s), comma-separated")
-    p.add_argument("--model", default="default", help="the model that wrote the store")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--budget", type=int, default=None, help="attend to at most this many context tokens")
-    p.add_argument(
-        "--retriever", choices=["bm25", "dense"], default="bm25", help="chunk selection over budget"
-    )
-    p.add_argument("--cache", choices=["kv", "states", "absorbed"], default=None)
-    p.add_argument("--json", action="store_true", help="answer and context metadata as JSON")
+    add_config_flags(p, AskConfig)
     p.set_defaults(func=_cmd_ask)
     register_serve(sub)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def run_server(cfg: ServeConfig, api_key: str | None = None) -> None:
+    """``cepe serve``: load ``cfg.model``, open the store and run :func:`cepe.server.serve` until SIGTERM.
+
+    Raises:
+        ValueError: the serve extra is not installed, or a non-loopback ``host`` without ``api_key`` and
+            without ``allow_no_auth`` (checked before the model loads).
+    """
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -146,55 +147,43 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
     from .store import ContextStore
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    limits = ServeLimits(
-        max_queue=args.max_queue,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_new_tokens=args.max_new_tokens,
-        default_new_tokens=min(args.default_new_tokens, args.max_new_tokens),
-        max_upload_bytes=args.max_upload_bytes,
-        max_context_tokens=args.max_context_tokens,
-        request_timeout_s=args.timeout,
-        shutdown_grace_s=args.shutdown_grace,
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    limits = replace(
+        cfg.limits, default_new_tokens=min(cfg.limits.default_new_tokens, cfg.limits.max_new_tokens)
     )
-    api_key = os.environ.get("CEPE_API_KEY") or None
-    if args.host not in LOOPBACK and not api_key and not args.no_auth:
+    if cfg.host not in LOOPBACK and not api_key and not cfg.allow_no_auth:
         raise ValueError(
-            f"--host {args.host} is reachable from other machines: set CEPE_API_KEY to require a bearer token "
+            f"--host {cfg.host} is reachable from other machines: set CEPE_API_KEY to require a bearer token "
             "(or pass --no-auth to serve without one)"
         )
     from .generation import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer(args.model)
-    store = ContextStore(args.store, model, tok, dtype=args.dtype)
-    name = args.model_name or os.path.basename(os.path.normpath(args.model))
-    print(f"cepe serve: {name} on http://{args.host}:{args.port} (limits {asdict(limits)})", file=sys.stderr)
-    serve(model, tok, store, args.host, args.port, limits, api_key, args.no_auth, name, args.log_level)
+    model, tok = load_model_and_tokenizer(cfg.model)
+    store = ContextStore(cfg.store, model, tok, dtype=cfg.dtype)
+    name = cfg.model_name or os.path.basename(os.path.normpath(cfg.model))
+    print(f"cepe serve: {name} on http://{cfg.host}:{cfg.port} (limits {asdict(limits)})", file=sys.stderr)
+    serve(model, tok, store, cfg.host, cfg.port, limits, api_key, cfg.allow_no_auth, name, cfg.log_level)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    run_server(config_from_args(ServeConfig, args, "serve config"), os.environ.get("CEPE_API_KEY") or None)
     return 0
 
 
 def register_serve(sub: argparse._SubParsersAction) -> None:
     """Add ``serve`` to the ``cepe`` command."""
-    d = ServeLimits()
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a context store")
-    p.add_argument("--model", default="default", help="CEPE adapter dir (as for `cepe generate`) or 'tiny'")
-    p.add_argument("--store", required=True, help="context store directory (created if missing)")
-    p.add_argument(
-        "--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="storage dtype of a new store"
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server over a context store",
+        description="Serve a model over a context store (CEPE_API_KEY: the bearer token clients must send). "
+        "Every ServeConfig field is a flag (or a --config key); the limits also have short flags.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--no-auth", action="store_true", help="allow a non-loopback host without CEPE_API_KEY")
-    p.add_argument("--model-name", default=None, help="model id reported to clients")
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens)
-    p.add_argument("--max-upload-bytes", type=int, default=d.max_upload_bytes)
-    p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens)
-    p.add_argument("--timeout", type=float, default=d.request_timeout_s, help="seconds per request")
-    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--log-level", default="warning")
+    add_config_flags(
+        p,
+        ServeConfig,
+        aliases=SERVE_LIMIT_FLAGS,
+        config_file="ServeConfig fields, YAML or JSON (limits under limits:); the flags below override it",
+    )
+    add_const_flag(p, "--no-auth", "allow_no_auth", True, help="= --allow-no-auth")
     p.set_defaults(func=_cmd_serve)

@@ -280,3 +280,15 @@ def test_plot_of_a_prefill_only_run(tmp_path, monkeypatch):
     throughput, memory, decode = saved[0].axes
     assert len(throughput.lines) == len(memory.lines) == 2  # one curve per method
     assert not decode.axison and [t.get_text() for t in decode.texts] == ["no decode settings in this run"]
+
+
+@pytest.mark.parametrize("run", ["bench-128k", "bench-decode"])
+def test_summary_of_committed_runs_is_reproduced(run):
+    """``summarize`` recomputes, key for key, the summary stored with committed runs (prefill ratios and
+    targets, the memory slope, decode speeds)."""
+    from pathlib import Path
+
+    from cepe.bench.report import summarize
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "results" / run / "bench.json").read_text())
+    assert result["summary"]["targets"] and summarize(result) == result["summary"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cepe.configio import add_config_flags, config_from_args, field_docs, flag_overrides
+from cepe.configio import add_config_flags, add_const_flag, config_from_args, field_docs, flag_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +91,38 @@ def test_generated_flags_types_defaults_and_precedence(tmp_path):
     conf.write_text("nam: 1\n")
     with pytest.raises(ValueError, match=r"c\.yaml: unknown config keys \['nam'\]"):
         config_from_args(Demo, p.parse_args(["--config", str(conf)]))
+
+
+@dataclass
+class Needs:
+    """Attributes:
+    path: where to write.
+    size: how much (default: all of it).
+    progress: show progress.
+    """
+
+    path: str
+    size: int | None = None
+    progress: bool = True
+
+
+def test_required_fields_const_flags_and_default_notes():
+    """A field with no default is a required flag unless a ``--config`` file may give it; a constant flag
+    (``--quiet``) sets its key like a generated one; a default the docstring states is not repeated."""
+    p = argparse.ArgumentParser()
+    add_config_flags(p, Needs)
+    add_const_flag(p, "--quiet", "progress", False)
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+    assert config_from_args(Needs, p.parse_args(["--path", "x", "--quiet"])) == Needs("x", None, False)
+    assert config_from_args(Needs, p.parse_args(["--path", "x"])) == Needs("x")
+    text = " ".join(p.format_help().split())
+    assert "how much (default: all of it)." in text and "(default: None)" not in text
+    assert "show progress. (default: True)" in text
+    p = argparse.ArgumentParser()
+    add_config_flags(p, Needs, config_file="a file")
+    with pytest.raises(ValueError, match=r"missing required keys \['path'\]"):
+        config_from_args(Needs, p.parse_args([]))
 
 
 def _train_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ import torch
 from cepe.dtypes import torch_dtype
 
 from .config import PREFILL_METHODS, BenchConfig
+from .flops import CostModel
 from .report import plot, summarize, write_json
 from .runner import RESULT_TAG, build_model, cost_model, matmul_peak_flops, run_setting
 
@@ -71,56 +72,15 @@ def run_benchmark(
     peak = matmul_peak_flops(peak_matmul_size, torch_dtype(cfg.dtype), peak_seconds)
     log(f"{machine_start}; {cfg.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
     model = build_model(cfg) if in_process else None
-    if model is None:
-        # Only the sizes are needed here; a worker builds the real model.
-        meta_cfg = BenchConfig.from_dict({**cfg.to_dict(), "random_init": True, "compile": False})
-        with torch.device("meta"):
-            cm = cost_model(build_model(meta_cfg), cfg)
-    else:
-        cm = cost_model(model, cfg)
-    rows: list[dict[str, Any]] = []
-    for setting in cfg.settings():
-        why = cfg.skipped(setting)
-        name = setting["method"] + (f"/{setting['mode']}" if setting.get("mode") else "")
-        size = setting.get("tokens") or setting.get("context")
-        if why:
-            rows.append(
-                {**setting, "skipped": why, "flops": cm.prefill(setting["method"], setting["tokens"])}
-            )
-            log(f"  {setting['kind']} {name} {size}: skipped ({why})")
-            continue
-        t0 = time.perf_counter()
-        if in_process:
-            try:
-                row = run_setting(cfg, setting, model)
-            except Exception as err:  # report and carry on with the other settings
-                row = {**setting, "error": f"{type(err).__name__}: {err}"}
-        else:
-            row = run_worker(cfg, setting)
-        if in_process and "memory_method" in row:
-            row["memory_method"] += " (in-process: shares the heap of earlier settings)"
-        rows.append(row)
-        if "error" in row:
-            log(f"  {setting['kind']} {name} {size}: ERROR {row['error'].splitlines()[-1]}")
-        else:
-            log(
-                f"  {setting['kind']} {name} {size}: {row['tokens_per_s']:.2f} tok/s, "
-                f"{100 * row['flops_per_s'] / peak:.1f}% of peak ({time.perf_counter() - t0:.1f} s wall)"
-            )
+    cm = _cost_model(cfg, model)
+    rows = [_measure(cfg, setting, cm, model, peak, log) for setting in cfg.settings()]
     predicted = {str(t): {m: cm.prefill(m, t) for m in PREFILL_METHODS} for t in sorted({*cfg.lengths})}
     result: dict[str, Any] = {
         "config": cfg.to_dict(),
         "machine": machine_start,
         "machine_end": _machine(),
         "matmul_peak_flops": peak,
-        "cost_model": {
-            "decoder": cm.dec.to_dict(),
-            "encoder": cm.enc.to_dict(),
-            "cross_layers": cm.cross_layers,
-            "full_kv_bytes_per_token": cm.dec.kv_bytes_per_token(2 if cfg.dtype == "bf16" else 4),
-            "cepe_extra_memory_fraction": cm.cepe_extra_memory_fraction(),
-            "counted": "matmul FLOPs only (2 per multiply-add); causal pairs only; see cepe.bench.flops",
-        },
+        "cost_model": _cost_model_record(cm, cfg),
         "predicted_flops": predicted,
         "rows": rows,
     }
@@ -134,3 +94,56 @@ def run_benchmark(
         write_json(result, out / "bench.json")
         plot(result, out / "bench.png")
     return result
+
+
+def _cost_model(cfg: BenchConfig, model: Any) -> CostModel:
+    """The cost model of the run's shapes: from ``model`` (in-process), else from a model built on the meta
+    device (only the sizes are needed here; a worker builds the real model)."""
+    if model is not None:
+        return cost_model(model, cfg)
+    meta_cfg = BenchConfig.from_dict({**cfg.to_dict(), "random_init": True, "compile": False})
+    with torch.device("meta"):
+        return cost_model(build_model(meta_cfg), cfg)
+
+
+def _measure(
+    cfg: BenchConfig, setting: dict[str, Any], cm: CostModel, model: Any, peak: float, log
+) -> dict[str, Any]:
+    """One setting's row: skipped (with why), measured in a worker process or, with ``model``, in this
+    process (an error is reported in the row and the run goes on)."""
+    name = setting["method"] + (f"/{setting['mode']}" if setting.get("mode") else "")
+    size = setting.get("tokens") or setting.get("context")
+    why = cfg.skipped(setting)
+    if why:
+        log(f"  {setting['kind']} {name} {size}: skipped ({why})")
+        return {**setting, "skipped": why, "flops": cm.prefill(setting["method"], setting["tokens"])}
+    t0 = time.perf_counter()
+    if model is None:
+        row = run_worker(cfg, setting)
+    else:
+        try:
+            row = run_setting(cfg, setting, model)
+        except Exception as err:  # report and carry on with the other settings
+            row = {**setting, "error": f"{type(err).__name__}: {err}"}
+        if "memory_method" in row:
+            row["memory_method"] += " (in-process: shares the heap of earlier settings)"
+    if "error" in row:
+        log(f"  {setting['kind']} {name} {size}: ERROR {row['error'].splitlines()[-1]}")
+    else:
+        log(
+            f"  {setting['kind']} {name} {size}: {row['tokens_per_s']:.2f} tok/s, "
+            f"{100 * row['flops_per_s'] / peak:.1f}% of peak ({time.perf_counter() - t0:.1f} s wall)"
+        )
+    return row
+
+
+def _cost_model_record(cm: CostModel, cfg: BenchConfig) -> dict[str, Any]:
+    """The cost model as saved in ``bench.json``."""
+    return {
+        "decoder": cm.dec.to_dict(),
+        "encoder": cm.enc.to_dict(),
+        "cross_layers": cm.cross_layers,
+        "full_kv_bytes_per_token": cm.dec.kv_bytes_per_token(2 if cfg.dtype == "bf16" else 4),
+        "cepe_extra_memory_fraction": cm.cepe_extra_memory_fraction(),
+        "counted": "matmul FLOPs only (2 per multiply-add); causal pairs only; see cepe.bench.flops",
+    }

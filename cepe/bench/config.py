@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cepe.config import CACHE_MODES  # cross-attention cache modes while decoding
+
 PREFILL_METHODS = ("cepe", "full", "streamingllm", "replug")
 DTYPE_NAMES = ("bf16", "fp32")  # the dtypes a bench runs in (torch dtypes: cepe.dtypes.torch_dtype)
-CACHE_MODES = ("kv", "states", "absorbed")  # cross-attention cache modes while decoding
 
 
 @dataclass

@@ -29,116 +29,133 @@ def _index(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Ratios between methods and the status of every target that the measured rows allow to check."""
-    rows = result["rows"]
-    idx = _index(rows)
-    predicted = result["predicted_flops"]
-    lengths = sorted({r["tokens"] for r in rows if r["kind"] == "prefill"})
-    prefill = []
-    targets = []
-    for t in lengths:
-        cepe, full = idx.get(("prefill", "cepe", t)), idx.get(("prefill", "full", t))
-        entry: dict[str, Any] = {"tokens": t}
-        for m in ("full", "streamingllm", "replug"):
-            other = idx.get(("prefill", m, t))
-            if cepe and other:
-                entry[f"throughput_cepe_over_{m}"] = cepe["tokens_per_s"] / other["tokens_per_s"]
-                entry[f"peak_delta_cepe_over_{m}"] = cepe["peak_delta_bytes"] / max(
-                    1, other["peak_delta_bytes"]
-                )
-        pf = predicted.get(str(t), {})
-        if pf.get("cepe") and pf.get("full"):
-            entry["predicted_cepe_over_full"] = pf["full"] / pf["cepe"]
-        if cepe and full:
-            measured = entry["throughput_cepe_over_full"]
-            entry["fraction_of_predicted"] = measured / entry["predicted_cepe_over_full"]
-            entry["peak_total_cepe_over_full"] = cepe["peak_rss_bytes"] / full["peak_rss_bytes"]
-            if t in THROUGHPUT_TARGETS:
-                targets.append(
-                    {
-                        "target": f"prefill throughput CEPE/full at {t} >= {THROUGHPUT_TARGETS[t]}x",
-                        "measured": measured,
-                        "met": measured >= THROUGHPUT_TARGETS[t],
-                    }
-                )
-            targets.append(
-                {
-                    "target": f"prefill throughput CEPE/full at {t} >= 80% of the cost model's ratio "
-                    f"({entry['predicted_cepe_over_full']:.2f}x)",
-                    "measured": entry["fraction_of_predicted"],
-                    "met": entry["fraction_of_predicted"] >= 0.8,
-                }
+    idx = _index(result["rows"])
+    targets: list[dict[str, Any]] = []  # in order: prefill (by length), memory, decode
+    lengths = sorted({r["tokens"] for r in result["rows"] if r["kind"] == "prefill"})
+    prefill = [_prefill_entry(idx, t, result["predicted_flops"].get(str(t), {}), targets) for t in lengths]
+    memory = _memory_summary(idx, result["cost_model"], targets)
+    decode = _decode_summary(idx, targets)
+    return {"prefill": prefill, "memory": memory, "decode": decode, "targets": targets}
+
+
+def _target(text: str, measured: float, met: bool) -> dict[str, Any]:
+    return {"target": text, "measured": measured, "met": met}
+
+
+def _prefill_entry(
+    idx: dict[tuple, dict[str, Any]], t: int, predicted: dict[str, Any], targets: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """CEPE over each other method at ``t`` tokens (throughput, peak memory), against the cost model's
+    ``predicted`` FLOPs; appends the throughput and memory targets checkable at ``t``."""
+    cepe, full = idx.get(("prefill", "cepe", t)), idx.get(("prefill", "full", t))
+    entry: dict[str, Any] = {"tokens": t}
+    for m in ("full", "streamingllm", "replug"):
+        other = idx.get(("prefill", m, t))
+        if cepe and other:
+            entry[f"throughput_cepe_over_{m}"] = cepe["tokens_per_s"] / other["tokens_per_s"]
+            entry[f"peak_delta_cepe_over_{m}"] = cepe["peak_delta_bytes"] / max(1, other["peak_delta_bytes"])
+    if predicted.get("cepe") and predicted.get("full"):
+        entry["predicted_cepe_over_full"] = predicted["full"] / predicted["cepe"]
+    if not (cepe and full):
+        return entry
+    measured = entry["throughput_cepe_over_full"]
+    entry["fraction_of_predicted"] = measured / entry["predicted_cepe_over_full"]
+    entry["peak_total_cepe_over_full"] = cepe["peak_rss_bytes"] / full["peak_rss_bytes"]
+    if t in THROUGHPUT_TARGETS:
+        goal = THROUGHPUT_TARGETS[t]
+        targets.append(_target(f"prefill throughput CEPE/full at {t} >= {goal}x", measured, measured >= goal))
+    fraction = entry["fraction_of_predicted"]
+    targets.append(
+        _target(
+            f"prefill throughput CEPE/full at {t} >= 80% of the cost model's ratio "
+            f"({entry['predicted_cepe_over_full']:.2f}x)",
+            fraction,
+            fraction >= 0.8,
+        )
+    )
+    if t == MEMORY_TARGET_TOKENS:
+        ratio = entry["peak_delta_cepe_over_full"]
+        targets.append(
+            _target(
+                f"prefill peak memory (over the loaded model) CEPE/full at {t} <= 1/6",
+                ratio,
+                ratio <= MEMORY_TARGET_RATIO,
             )
-            if t == MEMORY_TARGET_TOKENS:
-                ratio = entry["peak_delta_cepe_over_full"]
-                targets.append(
-                    {
-                        "target": f"prefill peak memory (over the loaded model) CEPE/full at {t} <= 1/6",
-                        "measured": ratio,
-                        "met": ratio <= MEMORY_TARGET_RATIO,
-                    }
-                )
-        prefill.append(entry)
+        )
+    return entry
+
+
+def _memory_summary(
+    idx: dict[tuple, dict[str, Any]], cost_model: dict[str, Any], targets: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Memory CEPE keeps per extra context token: the slope between its two longest prefill rows, as a
+    fraction of full context's K/V per token; appends the two memory-slope targets."""
     cepe_rows = sorted(
         (r for k, r in idx.items() if k[0] == "prefill" and k[1] == "cepe"), key=lambda r: r["tokens"]
     )
     memory: dict[str, Any] = {
-        "full_kv_bytes_per_token": result["cost_model"]["full_kv_bytes_per_token"],
-        "cepe_extra_fraction_bound": result["cost_model"]["cepe_extra_memory_fraction"],
+        "full_kv_bytes_per_token": cost_model["full_kv_bytes_per_token"],
+        "cepe_extra_fraction_bound": cost_model["cepe_extra_memory_fraction"],
     }
-    if len(cepe_rows) >= 2:
-        a, b = cepe_rows[-2], cepe_rows[-1]
-        span = b["tokens"] - a["tokens"]
-        kv = memory["full_kv_bytes_per_token"]
-        memory["cepe_kept_tensor_bytes_per_token"] = (b["kept_tensor_bytes"] - a["kept_tensor_bytes"]) / span
-        memory["cepe_kept_rss_bytes_per_token"] = (
-            b["kept_rss_delta_bytes"] - a["kept_rss_delta_bytes"]
-        ) / span
-        memory["cepe_kept_tensor_fraction"] = memory["cepe_kept_tensor_bytes_per_token"] / kv
-        memory["cepe_kept_rss_fraction"] = memory["cepe_kept_rss_bytes_per_token"] / kv
-        memory["slope_between_tokens"] = [a["tokens"], b["tokens"]]
-        bound = memory["cepe_extra_fraction_bound"]
-        targets.append(
-            {
-                "target": f"extra memory kept per context token (exact tensor bytes) <= {bound:.4f} of the "
-                "full-context K/V per token",
-                "measured": memory["cepe_kept_tensor_fraction"],
-                "met": memory["cepe_kept_tensor_fraction"] <= bound * (1 + 1e-9),
-            }
+    if len(cepe_rows) < 2:
+        return memory
+    a, b = cepe_rows[-2], cepe_rows[-1]
+    span = b["tokens"] - a["tokens"]
+    kv = memory["full_kv_bytes_per_token"]
+    memory["cepe_kept_tensor_bytes_per_token"] = (b["kept_tensor_bytes"] - a["kept_tensor_bytes"]) / span
+    memory["cepe_kept_rss_bytes_per_token"] = (b["kept_rss_delta_bytes"] - a["kept_rss_delta_bytes"]) / span
+    memory["cepe_kept_tensor_fraction"] = memory["cepe_kept_tensor_bytes_per_token"] / kv
+    memory["cepe_kept_rss_fraction"] = memory["cepe_kept_rss_bytes_per_token"] / kv
+    memory["slope_between_tokens"] = [a["tokens"], b["tokens"]]
+    bound = memory["cepe_extra_fraction_bound"]
+    tensor, rss = memory["cepe_kept_tensor_fraction"], memory["cepe_kept_rss_fraction"]
+    targets.append(
+        _target(
+            f"extra memory kept per context token (exact tensor bytes) <= {bound:.4f} of the "
+            "full-context K/V per token",
+            tensor,
+            tensor <= bound * (1 + 1e-9),
         )
-        targets.append(
-            {
-                "target": f"extra memory kept per context token (measured resident) <= {bound:.4f} of the "
-                "full-context K/V per token, within a stated 5% tolerance for allocator pages",
-                "measured": memory["cepe_kept_rss_fraction"],
-                "met": memory["cepe_kept_rss_fraction"] <= bound * 1.05,
-            }
+    )
+    targets.append(
+        _target(
+            f"extra memory kept per context token (measured resident) <= {bound:.4f} of the "
+            "full-context K/V per token, within a stated 5% tolerance for allocator pages",
+            rss,
+            rss <= bound * 1.05,
         )
+    )
+    return memory
+
+
+def _decode_summary(idx: dict[tuple, dict[str, Any]], targets: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decode tokens/s per CEPE cache mode and for full context; appends the two decode targets."""
     decode: dict[str, Any] = {}
-    full_dec = idx.get(("decode", "full", None))
     for mode in ("kv", "states", "absorbed"):
         r = idx.get(("decode", "cepe", mode))
         if r:
             decode[mode] = r["tokens_per_s"]
+    full_dec = idx.get(("decode", "full", None))
     if full_dec:
         decode["full"] = full_dec["tokens_per_s"]
     fast = max((decode[m] for m in ("kv", "absorbed") if m in decode), default=None)
     if fast is not None and "full" in decode:
         targets.append(
-            {
-                "target": "decode: kv or absorbed at least as fast as full context",
-                "measured": fast / decode["full"],
-                "met": fast >= decode["full"],
-            }
+            _target(
+                "decode: kv or absorbed at least as fast as full context",
+                fast / decode["full"],
+                fast >= decode["full"],
+            )
         )
     if fast is not None and "states" in decode:
         targets.append(
-            {
-                "target": f"decode: kv or absorbed >= {DECODE_STATES_FACTOR:g}x the states mode",
-                "measured": fast / decode["states"],
-                "met": fast >= DECODE_STATES_FACTOR * decode["states"],
-            }
+            _target(
+                f"decode: kv or absorbed >= {DECODE_STATES_FACTOR:g}x the states mode",
+                fast / decode["states"],
+                fast >= DECODE_STATES_FACTOR * decode["states"],
+            )
         )
-    return {"prefill": prefill, "memory": memory, "decode": decode, "targets": targets}
+    return decode
 
 
 def format_report(result: dict[str, Any]) -> str:

@@ -113,7 +113,6 @@ def run_store_bench(
     length = int(model.cepe_config.chunk_length)
     prompt = torch.tensor([prompt_ids(tok, [{"role": "user", "content": QUESTION}])])
     g = torch.Generator().manual_seed(cfg.seed)
-    dtype_bytes = torch.tensor([], dtype=torch_dtype(cfg.store_dtype)).element_size()
     rows = []
     with tempfile.TemporaryDirectory(prefix="cepe-bench-store-") as tmp:
         store = ContextStore(Path(tmp) / "store", model, tok, dtype=cfg.store_dtype)
@@ -124,76 +123,14 @@ def run_store_bench(
         _first_token_cepe(model, prompt, cfg.cache, encoder_hidden_states=s, encoder_attention_mask=k)
         for n in cfg.lengths:
             ids = torch.randint(0, vocab, (n,), generator=g)
-            row: dict[str, Any] = {"tokens": n, "load_avg_start": os.getloadavg()[0]}
-            # Untimed pass at this length first: the first call at a new shape allocates and picks
-            # kernels (in bf16 that alone made the timed re-encode 3x slower than the stored path that
-            # followed it), so the timed paths all start equally warm.
-            c, m = chunk_ids(ids, length)
-            s, k = model.encode_context(c[None], m[None])
-            _first_token_cepe(model, prompt, cfg.cache, encoder_hidden_states=s, encoder_attention_mask=k)
-            del c, m, s, k
-            t = time.perf_counter()
-            chunks, mask = chunk_ids(ids, length)
-            states, key_mask = model.encode_context(chunks[None], mask[None])
-            row["encode_s"] = time.perf_counter() - t
-            tok_re = _first_token_cepe(
-                model, prompt, cfg.cache, encoder_hidden_states=states, encoder_attention_mask=key_mask
-            )
-            row["ttft_reencode_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            cid, _ = store.add_token_ids(ids.tolist(), name=f"random-{n}", encoded=(states, key_mask))
-            row["store_write_s"] = time.perf_counter() - t
-            row["file_bytes"] = store.show(cid)["file_bytes"]
-            del states, key_mask
-            fresh = ContextStore(store.path, model, tok)
-            t = time.perf_counter()
-            ctx = fresh.context([cid])
-            tok_cold = _first_token_cepe(model, prompt, cfg.cache, **ctx.encoder_kwargs())
-            row["ttft_stored_cold_s"] = time.perf_counter() - t
-            row["stored_load_s"] = ctx.timings["load_s"] + ctx.timings["gather_s"]
-            del ctx
-            t = time.perf_counter()
-            ctx = fresh.context([cid])
-            tok_warm = _first_token_cepe(model, prompt, cfg.cache, **ctx.encoder_kwargs())
-            row["ttft_stored_warm_s"] = time.perf_counter() - t
-            del ctx
-            row["first_token_same"] = tok_re == tok_cold == tok_warm
-            log(
-                f"T={n}: ttft stored {row['ttft_stored_cold_s']:.2f} s (warm {row['ttft_stored_warm_s']:.2f}), "
-                f"re-encode {row['ttft_reencode_s']:.2f} s (encode {row['encode_s']:.2f})"
-            )
-            if n <= cfg.full_max_tokens:
-                log(f"T={n}: full-context prefill ...")
-                t = time.perf_counter()
-                _first_token_full(model, ids, prompt, cfg.full_chunk)
-                row["ttft_full_s"] = time.perf_counter() - t
-            else:
-                row["ttft_full_s"] = None
-                row["full_skipped"] = f"T > full_max_tokens ({cfg.full_max_tokens})"
-            row["reencode_over_stored"] = row["ttft_reencode_s"] / row["ttft_stored_cold_s"]
-            if row["ttft_full_s"] is not None:
-                row["full_over_stored"] = row["ttft_full_s"] / row["ttft_stored_cold_s"]
-            row["load_avg_end"] = os.getloadavg()[0]
-            rows.append(row)
-            if row["ttft_full_s"] is not None:
-                log(f"T={n}: full {row['ttft_full_s']:.2f} s")
-            store.remove(cid)
-    kv = kv_bytes_per_token(model.decoder.config, dtype_bytes)
-    phi = int(model.cepe_config.encoder.hidden_size) * dtype_bytes
+            rows.append(_measure_length(cfg, model, tok, store, prompt, ids, log))
     result = {
         "config": asdict(cfg),
         "question_tokens": int(prompt.shape[1]),
         "machine": f"{platform.machine()} cpu x{os.cpu_count()}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, model dtype {str(model.dtype).removeprefix('torch.')}",
         "rows": rows,
-        "bytes": {
-            "store_dtype": cfg.store_dtype,
-            "phi_bytes_per_token": phi,
-            "full_kv_bytes_per_token": kv,
-            "phi_over_kv": phi / kv,
-            "file_bytes_per_token": {str(r["tokens"]): r["file_bytes"] / r["tokens"] for r in rows},
-            "file_over_kv": {str(r["tokens"]): r["file_bytes"] / r["tokens"] / kv for r in rows},
-        },
+        "bytes": _bytes_summary(cfg, model, rows),
     }
     if out_dir is not None:
         out = Path(out_dir)
@@ -201,6 +138,86 @@ def run_store_bench(
         write_text(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
         write_text(out / "bench_store.md", format_markdown(result))
     return result
+
+
+def _measure_length(
+    cfg: StoreBenchConfig, model, tok, store, prompt: torch.Tensor, ids: torch.Tensor, log
+) -> dict[str, Any]:
+    """One row: time to first token re-encoding the ``n`` context tokens ``ids``, from the store (cold: a
+    freshly opened store; warm: read again) and (up to ``full_max_tokens``) by a full-context prefill."""
+    from ..store import ContextStore
+
+    n = len(ids)
+    length = int(model.cepe_config.chunk_length)
+    row: dict[str, Any] = {"tokens": n, "load_avg_start": os.getloadavg()[0]}
+    # Untimed pass at this length first: the first call at a new shape allocates and picks kernels (in
+    # bf16 that alone made the timed re-encode 3x slower than the stored path that followed it), so the
+    # timed paths all start equally warm.
+    c, m = chunk_ids(ids, length)
+    s, k = model.encode_context(c[None], m[None])
+    _first_token_cepe(model, prompt, cfg.cache, encoder_hidden_states=s, encoder_attention_mask=k)
+    del c, m, s, k
+    t = time.perf_counter()
+    chunks, mask = chunk_ids(ids, length)
+    states, key_mask = model.encode_context(chunks[None], mask[None])
+    row["encode_s"] = time.perf_counter() - t
+    tok_re = _first_token_cepe(
+        model, prompt, cfg.cache, encoder_hidden_states=states, encoder_attention_mask=key_mask
+    )
+    row["ttft_reencode_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cid, _ = store.add_token_ids(ids.tolist(), name=f"random-{n}", encoded=(states, key_mask))
+    row["store_write_s"] = time.perf_counter() - t
+    row["file_bytes"] = store.show(cid)["file_bytes"]
+    del states, key_mask
+    fresh = ContextStore(store.path, model, tok)
+    t = time.perf_counter()
+    ctx = fresh.context([cid])
+    tok_cold = _first_token_cepe(model, prompt, cfg.cache, **ctx.encoder_kwargs())
+    row["ttft_stored_cold_s"] = time.perf_counter() - t
+    row["stored_load_s"] = ctx.timings["load_s"] + ctx.timings["gather_s"]
+    del ctx
+    t = time.perf_counter()
+    ctx = fresh.context([cid])
+    tok_warm = _first_token_cepe(model, prompt, cfg.cache, **ctx.encoder_kwargs())
+    row["ttft_stored_warm_s"] = time.perf_counter() - t
+    del ctx
+    row["first_token_same"] = tok_re == tok_cold == tok_warm
+    log(
+        f"T={n}: ttft stored {row['ttft_stored_cold_s']:.2f} s (warm {row['ttft_stored_warm_s']:.2f}), "
+        f"re-encode {row['ttft_reencode_s']:.2f} s (encode {row['encode_s']:.2f})"
+    )
+    if n <= cfg.full_max_tokens:
+        log(f"T={n}: full-context prefill ...")
+        t = time.perf_counter()
+        _first_token_full(model, ids, prompt, cfg.full_chunk)
+        row["ttft_full_s"] = time.perf_counter() - t
+    else:
+        row["ttft_full_s"] = None
+        row["full_skipped"] = f"T > full_max_tokens ({cfg.full_max_tokens})"
+    row["reencode_over_stored"] = row["ttft_reencode_s"] / row["ttft_stored_cold_s"]
+    if row["ttft_full_s"] is not None:
+        row["full_over_stored"] = row["ttft_full_s"] / row["ttft_stored_cold_s"]
+    row["load_avg_end"] = os.getloadavg()[0]
+    if row["ttft_full_s"] is not None:
+        log(f"T={n}: full {row['ttft_full_s']:.2f} s")
+    store.remove(cid)
+    return row
+
+
+def _bytes_summary(cfg: StoreBenchConfig, model, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes per context token: Φ (in the store's dtype), the full context's K/V, the stored files."""
+    dtype_bytes = torch.tensor([], dtype=torch_dtype(cfg.store_dtype)).element_size()
+    kv = kv_bytes_per_token(model.decoder.config, dtype_bytes)
+    phi = int(model.cepe_config.encoder.hidden_size) * dtype_bytes
+    return {
+        "store_dtype": cfg.store_dtype,
+        "phi_bytes_per_token": phi,
+        "full_kv_bytes_per_token": kv,
+        "phi_over_kv": phi / kv,
+        "file_bytes_per_token": {str(r["tokens"]): r["file_bytes"] / r["tokens"] for r in rows},
+        "file_over_kv": {str(r["tokens"]): r["file_bytes"] / r["tokens"] / kv for r in rows},
+    }
 
 
 def format_markdown(result: dict[str, Any]) -> str:

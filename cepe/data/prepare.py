@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,45 @@ def _prepare_out_dir(out: Path) -> None:
         )
 
 
+@dataclass
+class PrepareDataConfig:
+    """The arguments of :func:`prepare_data`, which are the flags of ``cepe prepare-data``.
+
+    Attributes:
+        out_dir: output directory; replaced as a whole if it already holds a cepe dataset.
+        corpora: bundled corpus names (``austen``, ``acl``, ``stdlib``, ``linux-docs``, ``linux-code``,
+            ``bbc``, ``essays``) and/or local files or directories (text, JSONL, parquet; see
+            :func:`cepe.data.formats.read_path`).
+        tokenizer: ``default`` (SmolLM2-135M-Instruct) or a directory / hub id (:func:`prepare_data` also
+            takes a loaded tokenizer).
+        seed: split seed (see :func:`cepe.data.split.assign_split`).
+        test_fraction / retrieval_fraction: document fractions of the held-out splits.
+        max_docs: read at most this many documents per corpus (quick runs; default: all).
+        shard_tokens: tokens per shard file.
+        text_field: text field of JSONL / parquet records.
+        download: allow fetching Debian packages (Austen 1.6 MB, Linux 139 MB) into the cache.
+        dedupe: skip documents whose exact text was already seen (so copies cannot leak across splits).
+        progress: show a progress bar.
+    """
+
+    out_dir: str
+    corpora: list[str] = field(default_factory=list)
+    tokenizer: str = "default"
+    seed: int = 0
+    test_fraction: float = 0.05
+    retrieval_fraction: float = 0.05
+    max_docs: int | None = None
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    text_field: str = "text"
+    download: bool = True
+    dedupe: bool = True
+    progress: bool = True
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`prepare_data`: ``prepare_data(**cfg.kwargs())``."""
+        return asdict(self)
+
+
 def prepare_data(
     corpora: Sequence[str],
     out_dir: str | os.PathLike[str],
@@ -93,20 +133,8 @@ def prepare_data(
 ) -> Path:
     """Tokenize corpora into train / test / retrieval shards under ``out_dir``.
 
-    Args:
-        corpora: bundled corpus names (``"austen"``, ``"acl"``, ``"stdlib"``, ``"linux-docs"``,
-            ``"linux-code"``, ``"bbc"``, ``"essays"``) and/or local files or directories (text, JSONL,
-            parquet; see :func:`cepe.data.formats.read_path`).
-        out_dir: output directory; replaced as a whole if it already holds a cepe dataset.
-        tokenizer: ``"default"`` (SmolLM2-135M-Instruct), a directory / hub id, or a tokenizer object.
-        seed: split seed (see :func:`cepe.data.split.assign_split`).
-        test_fraction, retrieval_fraction: document fractions of the held-out splits.
-        max_docs: read at most this many documents per corpus (quick runs).
-        shard_tokens: tokens per shard file.
-        text_field: text field of JSONL / parquet records.
-        download: allow fetching Debian packages (Austen 1.6 MB, Linux 139 MB) into the cache.
-        dedupe: skip documents whose exact text was already seen (so copies cannot leak across splits).
-        progress: show a tqdm progress bar.
+    The arguments are the fields of :class:`PrepareDataConfig` (documented there, with the same defaults);
+    ``tokenizer`` may also be a loaded tokenizer object.
 
     Returns:
         ``out_dir``, holding the shards, ``index.json`` and ``summary.json`` (documents, tokens and
@@ -117,27 +145,17 @@ def prepare_data(
             a tokenizer without EOS.
         CorpusUnavailableError: a bundled corpus is not installed and cannot be downloaded.
     """
-    from tqdm.auto import tqdm
-
     _check_sources(corpora)
     if max_docs is not None and max_docs <= 0:
         raise ValueError(f"max_docs must be positive, got {max_docs}")
     fractions = SplitFractions(test=test_fraction, retrieval=retrieval_fraction)
     out = Path(out_dir)
     _prepare_out_dir(out)
-    tok = load_tokenizer(tokenizer)
-    if getattr(tok, "eos_token_id", None) is None:
-        raise ValueError("the tokenizer has no eos_token_id; documents are separated by EOS, set one first")
-    tok_name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tok, "name_or_path", "")
+    tok, tok_name = _tokenizer_with_eos(tokenizer)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     os.chmod(tmp, 0o777 & ~umask())
-    stats: dict[str, dict[str, dict[str, int]]] = {}
-    seen_ids: set[str] = set()
-    seen_text: set[bytes] = set()
-    skipped = {"duplicates": 0}
-    empty = 0
     try:
         writer = ShardWriter(
             tmp,
@@ -146,34 +164,19 @@ def prepare_data(
             shard_tokens=shard_tokens,
             metadata={"tokenizer": str(tok_name), "seed": seed, "fractions": fractions.as_dict()},
         )
-        bar = tqdm(desc="prepare-data", unit="doc", disable=not progress)
+        tally = _Tally(dedupe)
+        bar = _progress_bar(progress)
         for src in corpora:
             bar.set_postfix_str(src)
             docs = _documents(src, download, text_field, max_docs)
-            for doc, ids in tokenize_documents(_dedupe(docs, seen_text, dedupe, skipped), tok):
-                if not len(ids):
-                    empty += 1
-                    continue
-                if doc["id"] in seen_ids:
-                    raise ValueError(
-                        f"duplicate document id {doc['id']!r} (from {src}); ids must be unique across corpora"
-                    )
-                seen_ids.add(doc["id"])
-                split = assign_split(doc["id"], seed, fractions)
-                writer.add(split, doc["id"], doc["domain"], ids)
-                s = stats.setdefault(doc["domain"], {}).setdefault(split, _new_stats())
-                s["docs"] += 1
-                s["tokens"] += len(ids)
-                for t in LONG_THRESHOLDS:
-                    s[f"docs_ge_{t}"] += int(len(ids) >= t)
-                bar.update(1)
+            for doc, ids in tokenize_documents(filter(tally.is_new_text, docs), tok):
+                if tally.accept(doc, len(ids), src):
+                    split = assign_split(doc["id"], seed, fractions)
+                    writer.add(split, doc["id"], doc["domain"], ids)
+                    tally.count(doc["domain"], split, len(ids))
+                    bar.update(1)
         bar.close()
         writer.close()
-        totals = {sp: _new_stats() for sp in SPLITS}
-        for per_split in stats.values():
-            for sp, s in per_split.items():
-                for key, value in s.items():
-                    totals.setdefault(sp, _new_stats())[key] += value
         summary = {
             "corpora": list(corpora),
             "tokenizer": str(tok_name),
@@ -181,10 +184,10 @@ def prepare_data(
             "seed": seed,
             "fractions": fractions.as_dict(),
             "max_docs": max_docs,
-            "skipped_duplicates": skipped["duplicates"],
-            "skipped_empty": empty,
-            "splits": totals,
-            "domains": stats,
+            "skipped_duplicates": tally.duplicates,
+            "skipped_empty": tally.empty,
+            "splits": tally.totals(),
+            "domains": tally.domains,
         }
         atomic_write_json(tmp / SUMMARY_FILE, summary)
         _swap_into_place(tmp, out)
@@ -194,17 +197,71 @@ def prepare_data(
     return out
 
 
-def _dedupe(
-    docs: Iterator[Document], seen: set[bytes], enabled: bool, skipped: dict[str, int]
-) -> Iterator[Document]:
-    for doc in docs:
-        if enabled:
-            key = hashlib.blake2b(doc["text"].encode("utf-8", "surrogatepass"), digest_size=16).digest()
-            if key in seen:
-                skipped["duplicates"] += 1
-                continue
-            seen.add(key)
-        yield doc
+def _tokenizer_with_eos(tokenizer: str | os.PathLike[str] | Any) -> tuple[Any, Any]:
+    """``(loaded tokenizer, the name recorded in the dataset)``; refuses a tokenizer without EOS."""
+    tok = load_tokenizer(tokenizer)
+    if getattr(tok, "eos_token_id", None) is None:
+        raise ValueError("the tokenizer has no eos_token_id; documents are separated by EOS, set one first")
+    return tok, tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tok, "name_or_path", "")
+
+
+def _progress_bar(progress: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(desc="prepare-data", unit="doc", disable=not progress)
+
+
+@dataclass
+class _Tally:
+    """What :func:`prepare_data` has written: statistics per domain and split (``summary.json``), the
+    document ids and (with ``dedupe``) text digests seen, and the documents skipped."""
+
+    dedupe: bool
+    domains: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    seen_ids: set[str] = field(default_factory=set)
+    seen_text: set[bytes] = field(default_factory=set)
+    duplicates: int = 0
+    empty: int = 0
+
+    def is_new_text(self, doc: Document) -> bool:
+        """False for a document whose exact text was seen before (counted as a duplicate)."""
+        if not self.dedupe:
+            return True
+        key = hashlib.blake2b(doc["text"].encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if key in self.seen_text:
+            self.duplicates += 1
+            return False
+        self.seen_text.add(key)
+        return True
+
+    def accept(self, doc: Document, n_tokens: int, src: str) -> bool:
+        """False for a document without tokens (counted as empty); ``ValueError`` for an id seen before."""
+        if not n_tokens:
+            self.empty += 1
+            return False
+        if doc["id"] in self.seen_ids:
+            raise ValueError(
+                f"duplicate document id {doc['id']!r} (from {src}); ids must be unique across corpora"
+            )
+        self.seen_ids.add(doc["id"])
+        return True
+
+    def count(self, domain: str, split: str, n_tokens: int) -> None:
+        """Count a document written to ``split``."""
+        s = self.domains.setdefault(domain, {}).setdefault(split, _new_stats())
+        s["docs"] += 1
+        s["tokens"] += n_tokens
+        for t in LONG_THRESHOLDS:
+            s[f"docs_ge_{t}"] += int(n_tokens >= t)
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """The statistics per split, summed over domains."""
+        totals = {sp: _new_stats() for sp in SPLITS}
+        for per_split in self.domains.values():
+            for sp, s in per_split.items():
+                for key, value in s.items():
+                    totals.setdefault(sp, _new_stats())[key] += value
+        return totals
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

@@ -1,15 +1,23 @@
-"""The evaluation API: load a model bundle (:func:`load_setup`) and run a task on it (:func:`run_task`).
+"""The evaluation API: load a model bundle (:func:`load_setup`) and run a task on it (:func:`run_task`);
+:func:`run_eval` does both from an :class:`~cepe.eval.config.EvalRunConfig` and writes the report.
 
-``cepe eval`` (:mod:`cepe.eval.cli`), the main job, the lm-evaluation-harness model and the scripts all
-call these two functions. ``model`` is a CEPE adapter directory (``CepeForCausalLM.from_pretrained``),
-``default`` / a decoder directory or hub id (baselines only, unless ``cepe_init`` attaches an untrained
-adapter for smoke runs), or ``tiny`` (a random 2-layer model with a byte tokenizer, for smoke tests).
+``cepe eval`` (:mod:`cepe.eval.cli`) is :func:`run_eval`; the main job, the lm-evaluation-harness model and
+the scripts call :func:`load_setup` and :func:`run_task`. ``model`` is a CEPE adapter directory
+(``CepeForCausalLM.from_pretrained``), ``default`` / a decoder directory or hub id (baselines only, unless
+``cepe_init`` attaches an untrained adapter for smoke runs), or ``tiny`` (a random 2-layer model with a
+byte tokenizer, for smoke tests).
 
 Typical use::
 
     from cepe.eval.api import load_setup, run_task
     setup = load_setup("adapters/smollm2-135m-cepe", ["cepe", "truncated"])
     result = run_task("lm", setup, {"totals": [4096]})
+
+    # or, as `cepe eval lm --model ... --methods cepe,truncated --out results/lm`:
+    from cepe.eval.config import EvalRunConfig
+    result, paths = run_eval("lm", EvalRunConfig(model="adapters/smollm2-135m-cepe",
+                                                 methods=["cepe", "truncated"], out="results/lm"),
+                             {"totals": [4096]})
 """
 
 from __future__ import annotations
@@ -22,10 +30,9 @@ from typing import Any
 from cepe.configio import build
 from cepe.dtypes import torch_dtype as to_torch_dtype
 from cepe.eval.common import EvalSetup
+from cepe.eval.config import DTYPES, EvalRunConfig
 from cepe.eval.tasks import TASKS
-from cepe.measure import seed_everything
-
-DTYPES = ("fp32", "bf16", "fp16")  # weight / autocast dtypes of an evaluation (cepe.dtypes.torch_dtype)
+from cepe.measure import cpu_count_note, seed_everything
 
 
 def _is_cepe_dir(path: Path) -> bool:
@@ -92,14 +99,73 @@ def load_setup(
     return EvalSetup(tokenizer=tok, decoder=decoder, cepe_model=cepe_model, methods=methods, **kwargs)
 
 
-def run_task(task: str, setup: EvalSetup, config: dict[str, Any]) -> dict[str, Any]:
-    """Run ``task`` with a config dict (method options under ``methods:``); returns the result dict."""
+def task_config(task: str, config: dict[str, Any] | None, where: str | None = None) -> Any:
+    """``task``'s ``Config`` dataclass built from its settings (a task config file without its ``methods:``
+    and ``run:`` sections); errors name ``where`` (default ``"<task> config"``) and the key."""
+    return build(_task_module(task).Config, dict(config or {}), where=where or f"{task} config")
+
+
+def _task_module(task: str) -> Any:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    module = importlib.import_module(f"cepe.eval.tasks.{task}")
-    cfg = build(module.Config, dict(config or {}), where=f"{task} config")
+    return importlib.import_module(f"cepe.eval.tasks.{task}")
+
+
+def run_task(task: str, setup: EvalSetup, config: dict[str, Any]) -> dict[str, Any]:
+    """Run ``task`` on ``setup`` with its settings ``config`` (method options are ``setup.method_options``);
+    returns the result dict."""
+    cfg = task_config(task, config)
     seed_everything(setup.seed)
-    result = module.run(setup, cfg)
+    result = _task_module(task).run(setup, cfg)
     for row in result["rows"]:
         row.setdefault("task", task)
     return result
+
+
+def run_eval(
+    task: str,
+    run: EvalRunConfig,
+    config: dict[str, Any] | None = None,
+    method_options: dict[str, dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``cepe eval <task>``: load ``run.model``, run ``task`` with its settings ``config`` (checked before the
+    model loads) and the per-method ``method_options``, and write ``<task>.json``, ``.md`` and plots into
+    ``run.out``. Returns ``(result, {"json": path, "markdown": path, ...})``."""
+    from cepe.eval.report import write_report
+
+    config = dict(config or {})
+    method_options = dict(method_options or {})
+    task_config(task, config)
+    device = run.device or _default_device()
+    setup = load_setup(
+        run.model,
+        run.methods,
+        device=device,
+        dtype=run.dtype,
+        tokenizer=run.tokenizer,
+        cepe_init=run.cepe_init,
+        method_options=method_options,
+        autocast_dtype=to_torch_dtype(run.autocast) if run.autocast else None,
+        batch_size=run.batch_size,
+        seed=run.seed,
+        limit=run.limit,
+        progress=run.progress,
+    )
+    result = run_task(task, setup, config)
+    result.update(
+        {
+            "model": run.model,
+            "methods": run.methods,
+            "method_options": method_options,
+            "config": config,
+            "seed": run.seed,
+            "device": cpu_count_note() if device == "cpu" else device,
+        }
+    )
+    return result, write_report(result, run.out, x_key=result.get("plot_x"))
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-METHODS = ("cepe", "full", "truncated", "streamingllm", "replug")
+from cepe.eval.config import METHODS
 
 
 @dataclass

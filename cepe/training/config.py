@@ -112,6 +112,8 @@ class TrainConfig:
     """One training stage.
 
     Model:
+        output_dir: the stage's run directory (checkpoints, logs, status, and at the end its output:
+            an encoder for ``mlm``, else a cepe adapter).
         decoder: the frozen decoder (``"default"``, a directory or hub id); ignored with ``tiny_decoder``.
         tiny_decoder: a dict of ``LlamaConfig`` fields: build a small random decoder in code (tests).
         decoder_dtype: ``"float32"`` or ``"bfloat16"`` weights for the frozen decoder.
@@ -162,6 +164,8 @@ class TrainConfig:
             or ``"other"`` (a (k+1)-th bucket holding the leftover mass, teacher smoothed by
             ``kl_smoothing``); see :func:`cepe.training.losses.topk_kl`. The KL counts only positions whose
             label is not -100, as the cross-entropy.
+        kl_smoothing: the smoothing ``s`` of the ``"other"`` KL form, whose teacher becomes
+            ``(1 - s)·p + s/(k+1)`` (never zero).
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.

@@ -74,13 +74,32 @@ def run_teacher(
     """
     from tqdm.auto import tqdm
 
-    from .models import build_decoder
-
     if cfg.stage != "ceped":
         raise ValueError(f"the teacher pass belongs to stage ceped, the config is for {cfg.stage!r}")
     total = int(num_examples if num_examples is not None else cfg.steps * cfg.batch_size)
     root = Path(cfg.teacher_dir)
     root.mkdir(parents=True, exist_ok=True)
+    _check_and_write_manifest(cfg, root, total, write=rank == 0)
+
+    dev = torch.device(device or "cpu")
+    teacher = _load_teacher(cfg, dev)
+    source = window_source(cfg, int(teacher.config.vocab_size))
+    per = cfg.teacher_examples_per_shard
+    shards = [j for j in range(-(-total // per)) if j % world_size == rank]
+    todo = [j for j in shards if not _shard_path(root, j).is_file()]
+    bar = tqdm(total=len(todo), desc="teacher", unit="shard", disable=not progress)
+    for j in todo:
+        shard = _teacher_shard(cfg, teacher, source, range(j * per, (j + 1) * per), dev)
+        with atomic_path(_shard_path(root, j)) as tmp:
+            save_file(shard, tmp, metadata={"format": "pt"})
+        bar.update(1)
+    bar.close()
+    return root
+
+
+def _check_and_write_manifest(cfg: TrainConfig, root: Path, total: int, write: bool) -> None:
+    """Refuse a ``root`` that holds outputs of another configuration; (``write``) record the manifest, its
+    ``num_examples`` the larger of ``total`` and what ``root`` already covers."""
     manifest = teacher_manifest(cfg, total)
     mpath = root / MANIFEST
     if mpath.is_file():
@@ -92,10 +111,14 @@ def run_teacher(
                 "teacher_dir or delete it"
             )
         manifest["num_examples"] = max(total, int(old.get("num_examples", 0)))
-    if rank == 0:
+    if write:
         write_json(mpath, manifest, indent=2, sort_keys=True)
 
-    dev = torch.device(device or "cpu")
+
+def _load_teacher(cfg: TrainConfig, dev: torch.device) -> torch.nn.Module:
+    """The teacher decoder on ``dev``; refuses one with fewer positions than the window."""
+    from .models import build_decoder
+
     teacher = build_decoder(cfg, cfg.teacher_decoder).to(dev)
     limit = getattr(teacher.config, "max_position_embeddings", None)
     if limit is not None and cfg.window_length > int(limit):
@@ -103,33 +126,29 @@ def run_teacher(
             f"the teacher reads concat(C, X) = {cfg.window_length} tokens but has {limit} positions; "
             "lower n_decoder or n_chunks × chunk_length"
         )
-    vocab = int(teacher.config.vocab_size)
-    source = window_source(cfg, vocab)
-    per = cfg.teacher_examples_per_shard
-    shards = [j for j in range(-(-total // per)) if j % world_size == rank]
-    todo = [j for j in shards if not _shard_path(root, j).is_file()]
+    return teacher
+
+
+def _teacher_shard(
+    cfg: TrainConfig, teacher: torch.nn.Module, source: Any, examples: range, dev: torch.device
+) -> dict[str, torch.Tensor]:
+    """The teacher's top-k ``probs`` and ``indices`` (E, n-1, k) on the decoder part X of the windows
+    ``examples`` (the teacher reads concat(C, X)), ``micro_batch_size`` windows per forward."""
     m = cfg.n_chunks * cfg.chunk_length
-    bar = tqdm(total=len(todo), desc="teacher", unit="shard", disable=not progress)
-    for j in todo:
-        probs, idx = [], []
-        for start in range(j * per, (j + 1) * per, cfg.micro_batch_size):
-            stop = min(start + cfg.micro_batch_size, (j + 1) * per)
-            ids = torch.stack([source[i] for i in range(start, stop)]).to(dev)  # (B, T)
-            with (
-                torch.no_grad(),
-                torch.autocast(dev.type, dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16, dev)),
-            ):
-                hidden = teacher.get_decoder()(input_ids=ids).last_hidden_state[:, m:-1]  # (B, n-1, D)
-                logits = decoder_logits(teacher, hidden)  # the student's head, soft-capping included
-            p, i = teacher_topk(logits, cfg.top_k)
-            probs.append(p.cpu())
-            idx.append(i.cpu())
-        out = _shard_path(root, j)
-        with atomic_path(out) as tmp:
-            save_file({"probs": torch.cat(probs), "indices": torch.cat(idx)}, tmp, metadata={"format": "pt"})
-        bar.update(1)
-    bar.close()
-    return root
+    probs, idx = [], []
+    for start in range(examples.start, examples.stop, cfg.micro_batch_size):
+        stop = min(start + cfg.micro_batch_size, examples.stop)
+        ids = torch.stack([source[i] for i in range(start, stop)]).to(dev)  # (B, T)
+        with (
+            torch.no_grad(),
+            torch.autocast(dev.type, dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16, dev)),
+        ):
+            hidden = teacher.get_decoder()(input_ids=ids).last_hidden_state[:, m:-1]  # (B, n-1, D)
+            logits = decoder_logits(teacher, hidden)  # the student's head, soft-capping included
+        p, i = teacher_topk(logits, cfg.top_k)
+        probs.append(p.cpu())
+        idx.append(i.cpu())
+    return {"probs": torch.cat(probs), "indices": torch.cat(idx)}
 
 
 class TeacherStore:

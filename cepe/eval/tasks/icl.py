@@ -13,6 +13,7 @@ label columns (:func:`read_labelled`).
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -132,45 +133,88 @@ def _load(cfg: Config) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     return train, test
 
 
+@dataclass
+class _Prompt:
+    """Token ids of the template's pieces: an example is ``head + text + tail + label``, a query the same
+    without the label (scored as each of ``label_ids``); examples are joined by ``sep``."""
+
+    setup: EvalSetup
+    cfg: Config
+    head: list[int]
+    tail: list[int]
+    label_prefix: str  # "Topic: {label}": the space before the label goes with it
+    post: str
+    label_ids: list[list[int]]
+    sep: list[int]
+
+    @classmethod
+    def build(cls, setup: EvalSetup, cfg: Config, labels: list[str]) -> _Prompt:
+        pre, post = cfg.template.split("{label}", 1)
+        strip = len(pre) - len(pre.rstrip())
+        label_prefix = pre[len(pre.rstrip()) :] if strip else ""
+        pre = pre.rstrip() if strip else pre
+        return cls(
+            setup=setup,
+            cfg=cfg,
+            head=setup.encode(pre.split("{text}")[0]),
+            tail=setup.encode(pre.split("{text}", 1)[1]),
+            label_prefix=label_prefix,
+            post=post,
+            label_ids=[setup.encode(label_prefix + lab + post) for lab in labels],
+            sep=setup.encode(cfg.separator),
+        )
+
+    def text_ids(self, t: str) -> list[int]:
+        enc = self.setup.encode
+        return enc(self.setup.decode(enc(t)[: self.cfg.max_text_tokens]))
+
+    def query_ids(self, r: dict[str, str]) -> list[int]:
+        return self.head + self.text_ids(r["text"]) + self.tail
+
+    def example_ids(self, r: dict[str, str]) -> list[int]:
+        return self.query_ids(r) + self.setup.encode(self.label_prefix + r["label"] + self.post)
+
+
+def _label_requests(method: str, prompt: _Prompt, dec: list[int], enc: list[list[int]], q: list[int]):
+    """One request per label for test query ``q`` after the decoder demonstrations ``dec``, with the encoder
+    demonstrations ``enc`` laid out as ``method`` reads them."""
+    sep = prompt.sep
+    if method in ("full", "streamingllm"):
+        prefix = [t for e in enc for t in e + sep] + dec + q
+        return [Request(prefix + ids, len(ids)) for ids in prompt.label_ids]
+    if method == "cepe":
+        return [Request(dec + q + ids, len(ids), [list(e) for e in enc]) for ids in prompt.label_ids]
+    if method == "replug":  # each pass: one encoder demo, then the decoder prompt
+        return [Request(dec + q + ids, len(ids), [e + sep for e in enc]) for ids in prompt.label_ids]
+    return [Request(dec + q + ids, len(ids)) for ids in prompt.label_ids]
+
+
+def _domain_scores(setup: EvalSetup, label_ids: list[list[int]]) -> Any:
+    """Calibration: the log-likelihood of each label after the start token alone, the same for every
+    method (the ``truncated`` method's decoder)."""
+    from cepe.eval.methods import DecoderMethod
+
+    base = setup.method("truncated") if "truncated" in setup.methods else None
+    dm = base or DecoderMethod(setup.decoder, pad_token_id=setup.pad_id, autocast_dtype=setup.autocast_dtype)
+    return dm.score([Request([setup.start_id, *ids], len(ids)) for ids in label_ids])
+
+
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     if cfg.scoring != "auto" and cfg.scoring not in SCORING_VARIANTS:
         raise ValueError(f"scoring must be 'auto' or one of {SCORING_VARIANTS}, got {cfg.scoring!r}")
     train, test_all = _load(cfg)
     labels = sorted({r["label"] for r in train})
-    pre, post = cfg.template.split("{label}", 1)
-    strip = len(pre) - len(pre.rstrip())
-    label_prefix = pre[len(pre.rstrip()) :] if strip else ""
-    pre = pre.rstrip() if strip else pre
-    label_ids = [setup.encode(label_prefix + lab + post) for lab in labels]
-    sep = setup.encode(cfg.separator)
+    prompt = _Prompt.build(setup, cfg, labels)
+    domain = _domain_scores(setup, prompt.label_ids)
 
-    def text_ids(t: str) -> list[int]:
-        return setup.encode(setup.decode(setup.encode(t)[: cfg.max_text_tokens]))
+    def classify(m, r, method, dec, enc):
+        reqs = _label_requests(method, prompt, dec, enc, prompt.query_ids(r))
+        scores = label_scores(m.score(reqs), domain)
+        gold = labels.index(r["label"]) if r["label"] in labels else -1
+        res = {v: float(int(scores[v].argmax()) == gold) for v in SCORING_VARIANTS}
+        return res, sum(x.num_tokens for x in reqs)
 
-    def example_ids(r: dict[str, str]) -> list[int]:
-        body = text_ids(r["text"])
-        return (
-            setup.encode(pre.split("{text}")[0])
-            + body
-            + setup.encode(pre.split("{text}", 1)[1])
-            + setup.encode(label_prefix + r["label"] + post)
-        )
-
-    def query_ids(r: dict[str, str]) -> list[int]:
-        return (
-            setup.encode(pre.split("{text}")[0])
-            + text_ids(r["text"])
-            + setup.encode(pre.split("{text}", 1)[1])
-        )
-
-    # calibration: P(label | empty string), same for every method
-    base = setup.method("truncated") if "truncated" in setup.methods else None
-    from cepe.eval.methods import DecoderMethod
-
-    dm = base or DecoderMethod(setup.decoder, pad_token_id=setup.pad_id, autocast_dtype=setup.autocast_dtype)
-    domain = dm.score([Request([setup.start_id, *ids], len(ids)) for ids in label_ids])
-
-    rows: list[dict[str, Any]] = []
+    # per (method, k'): accuracy % per scoring variant, one entry per seed, and the cost of the last seed
     acc: dict[tuple[str, int], dict[str, list[float]]] = {}
     for seed in cfg.seeds:
         rng = random.Random(seed)
@@ -178,64 +222,46 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         rng.shuffle(test)
         test = limit_items(test, cfg.test_size, setup)
         demos = balanced_demos(train, cfg.decoder_demos + max(cfg.encoder_demos or [0]), seed)
-        dec = [t for d in demos[: cfg.decoder_demos] for t in example_ids(d) + sep]
+        dec = [t for d in demos[: cfg.decoder_demos] for t in prompt.example_ids(d) + prompt.sep]
         for kp in [0, *cfg.encoder_demos]:
+            enc = [prompt.example_ids(d) for d in demos[cfg.decoder_demos : cfg.decoder_demos + kp]]
             for method in setup.methods:
                 if (kp == 0) != (method == "truncated"):
                     continue
-                enc_demos = [example_ids(d) for d in demos[cfg.decoder_demos : cfg.decoder_demos + kp]]
-
-                def classify(m, r, _enc=enc_demos, _method=method, _dec=dec):
-                    q = query_ids(r)
-                    if _method in ("full", "streamingllm"):
-                        prefix = [t for e in _enc for t in e + sep] + _dec + q
-                        reqs = [Request(prefix + ids, len(ids)) for ids in label_ids]
-                    elif _method in ("cepe", "replug"):
-                        reqs = [
-                            Request(_dec + q + ids, len(ids), [list(e) for e in _enc]) for ids in label_ids
-                        ]
-                        if _method == "replug":  # each pass: one encoder demo, then the decoder prompt
-                            reqs = [
-                                Request(x.input_ids, x.num_targets, [e + sep for e in _enc]) for x in reqs
-                            ]
-                    else:
-                        reqs = [Request(_dec + q + ids, len(ids)) for ids in label_ids]
-                    cond = m.score(reqs)
-                    scores = label_scores(cond, domain)
-                    gold = labels.index(r["label"]) if r["label"] in labels else -1
-                    res = {v: float(int(scores[v].argmax()) == gold) for v in SCORING_VARIANTS}
-                    return res, sum(x.num_tokens for x in reqs)
-
-                vals, cost = run_examples(setup, method, test, classify, f"icl seed={seed} k'={kp}")
-                key = (method, kp)
-                bucket = acc.setdefault(key, {v: [] for v in SCORING_VARIANTS})
+                fn = functools.partial(classify, method=method, dec=dec, enc=enc)
+                vals, cost = run_examples(setup, method, test, fn, f"icl seed={seed} k'={kp}")
+                bucket = acc.setdefault((method, kp), {v: [] for v in SCORING_VARIANTS})
                 for v in SCORING_VARIANTS:
                     bucket[v].append(100.0 * sum(x[v] for x in vals) / max(1, len(vals)))
                 bucket.setdefault("_cost", []).append(cost)  # type: ignore[arg-type]
-    variant = cfg.scoring
-    if variant == "auto":
-        ref = acc.get(("truncated", 0))
-        variant = max(SCORING_VARIANTS, key=lambda v: sum(ref[v])) if ref else "ll"
-    for (method, kp), b in acc.items():
-        means = {v: sum(b[v]) / len(b[v]) for v in SCORING_VARIANTS}
-        cost = b["_cost"][-1]  # type: ignore[index]
-        rows.append(
-            {
-                "method": method,
-                "setting": {"k_decoder": cfg.decoder_demos, "k_encoder": kp},
-                "metric": f"accuracy[{variant}]",
-                "value": means[variant],
-                "n": len(cfg.seeds),
-                "variants": means,
-                **cost,
-            }
-        )
+    variant = _scoring_variant(cfg.scoring, acc)
     return {
         "task": "icl",
-        "rows": rows,
+        "rows": [_row(method, kp, b, variant, cfg) for (method, kp), b in acc.items()],
         "plot_x": "k_encoder",
         "notes": [
             f"labels: {labels}",
             f"scoring variant: {variant} (ll_norm/pmi_norm divide by label tokens)",
         ],
+    }
+
+
+def _scoring_variant(scoring: str, acc: dict[tuple[str, int], dict[str, list[float]]]) -> str:
+    """``scoring``, or for ``auto`` the variant best for ``truncated`` (summed over seeds; ``ll`` without)."""
+    if scoring != "auto":
+        return scoring
+    ref = acc.get(("truncated", 0))
+    return max(SCORING_VARIANTS, key=lambda v: sum(ref[v])) if ref else "ll"
+
+
+def _row(method: str, kp: int, b: dict[str, list[float]], variant: str, cfg: Config) -> dict[str, Any]:
+    means = {v: sum(b[v]) / len(b[v]) for v in SCORING_VARIANTS}
+    return {
+        "method": method,
+        "setting": {"k_decoder": cfg.decoder_demos, "k_encoder": kp},
+        "metric": f"accuracy[{variant}]",
+        "value": means[variant],
+        "n": len(cfg.seeds),
+        "variants": means,
+        **b["_cost"][-1],  # type: ignore[dict-item]
     }

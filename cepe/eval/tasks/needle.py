@@ -76,6 +76,25 @@ def build_haystack(
     return out[:pos] + [needle] + out[pos:]
 
 
+def _request(method: str, hay: list[list[int]], pre: list[int], suf: list[int], cfg: Config) -> Request:
+    """The prompt ``pre + haystack + suf`` as ``method`` reads it: whole sentences from the end, up to
+    ``decoder_window`` tokens, in the decoder, the earlier ones packed into encoder chunks (CEPE, REPLUG),
+    dropped (truncated) or also in the decoder (full, StreamingLLM)."""
+    dec_n, cut = 0, len(hay)
+    while cut > 0 and dec_n + len(hay[cut - 1]) <= cfg.decoder_window:
+        cut -= 1
+        dec_n += len(hay[cut])
+    tail = [t for s in hay[cut:] for t in s]
+    if method in ("full", "streamingllm"):
+        req = Request(pre + [t for s in hay for t in s] + suf)
+    elif method == "truncated":
+        req = Request(pre + tail + suf)
+    else:
+        req = Request(pre + tail + suf, 0, pack_sentences(hay[:cut], cfg.chunk_length))
+    req.max_new_tokens = cfg.max_new_tokens
+    return req
+
+
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     sentences: list[list[int]] = []
     for doc in iter_source(cfg.haystack):
@@ -87,33 +106,18 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     pre = setup.encode(before)
     suf = setup.encode(f"\n\n{cfg.question}" + (after if before else f"\n{cfg.answer_prefix}"))
     keys = [k.lower() for k in cfg.answer_keywords]
+
+    def go(mm, r):
+        text = setup.decode(mm.generate(r)).lower()
+        return sum(k in text for k in keys) / max(1, len(keys)), r.num_tokens
+
     rows: list[dict[str, Any]] = []
     for method in setup.methods:
         for depth in cfg.depths:
             for total in cfg.totals:
-                hay = build_haystack(sentences, needle, total, depth)
-                flat = [t for s in hay for t in s]
-                # decoder: whole sentences from the end up to the window; the rest to the encoder
-                dec_n, cut = 0, len(hay)
-                while cut > 0 and dec_n + len(hay[cut - 1]) <= cfg.decoder_window:
-                    cut -= 1
-                    dec_n += len(hay[cut])
-                tail = [t for s in hay[cut:] for t in s]
-                chunks = pack_sentences(hay[:cut], cfg.chunk_length)
-                if method in ("full", "streamingllm"):
-                    req = Request(pre + flat + suf)
-                elif method == "truncated":
-                    req = Request(pre + tail + suf)
-                else:
-                    req = Request(pre + tail + suf, 0, chunks)
-                req.max_new_tokens = cfg.max_new_tokens
+                req = _request(method, build_haystack(sentences, needle, total, depth), pre, suf, cfg)
                 restore = _scale(setup, cfg) if method == "cepe" else None
                 try:
-
-                    def go(mm, r):
-                        text = setup.decode(mm.generate(r)).lower()
-                        return sum(k in text for k in keys) / max(1, len(keys)), r.num_tokens
-
                     vals, cost = run_examples(setup, method, [req], go, f"needle T={total} d={depth}")
                 finally:
                     if restore:
@@ -128,9 +132,20 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                         **cost,
                     }
                 )
-    grids = {}  # method -> depth x total accuracy in [0, 1]
-    for method in setup.methods:
-        grids[method] = [
+    return {
+        "task": "needle",
+        "rows": rows,
+        "grids": _grids(rows, setup.methods, cfg),
+        "totals": cfg.totals,
+        "depths": cfg.depths,
+        "plot_x": "total",
+    }
+
+
+def _grids(rows: list[dict[str, Any]], methods: list[str], cfg: Config) -> dict[str, list[list[float]]]:
+    """Per method, the depth × total grid of accuracies in [0, 1]."""
+    return {
+        method: [
             [
                 next(
                     r["value"] / 100.0
@@ -141,13 +156,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
             ]
             for d in cfg.depths
         ]
-    return {
-        "task": "needle",
-        "rows": rows,
-        "grids": grids,
-        "totals": cfg.totals,
-        "depths": cfg.depths,
-        "plot_x": "total",
+        for method in methods
     }
 
 

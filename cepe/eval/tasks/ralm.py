@@ -10,6 +10,7 @@ tokens (paper: 2048 / 256 / 1792). CEPE reads the sequence in the decoder and th
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -55,12 +56,12 @@ class Config:
     seed: int = 0
 
 
-def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+def _documents(setup: EvalSetup, cfg: Config) -> tuple[dict[str, list[list[int]]], list[list[int]]]:
+    """``(test documents of at least seq_length tokens by domain, retrieval passages)``, as token ids: the
+    passages are the retrieval split of ``sources`` cut into ``passage_tokens`` (or, when given, every
+    document of ``retrieval_sources``)."""
     from cepe.data.split import SplitFractions, assign_split
 
-    n_eval = cfg.eval_tokens or cfg.seq_length - cfg.query_tokens
-    if n_eval >= cfg.seq_length:
-        raise ValueError("eval_tokens must be smaller than seq_length")
     fr = SplitFractions(test=cfg.test_fraction, retrieval=cfg.retrieval_fraction)
     tests: dict[str, list[list[int]]] = {}
     passages: list[list[int]] = []
@@ -82,9 +83,33 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         raise ValueError(
             f"no test document has {cfg.seq_length} tokens: lower seq_length or raise test_fraction"
         )
+    return tests, passages
+
+
+def _request(method: str, seq: list[int], ctx: list[list[int]], scores: list[float], n_eval: int) -> Request:
+    """Score the last ``n_eval`` tokens of ``seq`` with the retrieved passages ``ctx`` as ``method`` reads
+    them: in the decoder, best passage nearest the input (full, StreamingLLM); none (truncated); else as
+    context with their retrieval ``scores`` (CEPE, REPLUG)."""
+    if method in ("full", "streamingllm"):
+        return Request([t for p in reversed(ctx) for t in p] + seq, n_eval)
+    if method == "truncated":
+        return Request(seq, n_eval)
+    return Request(seq, n_eval, ctx, scores)
+
+
+def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+    n_eval = cfg.eval_tokens or cfg.seq_length - cfg.query_tokens
+    if n_eval >= cfg.seq_length:
+        raise ValueError("eval_tokens must be smaller than seq_length")
+    tests, passages = _documents(setup, cfg)
     retriever = build_retriever(cfg.retriever, [setup.decode(p) for p in passages], cfg.dense_model_dir)
     kmax = max(cfg.ks)
     rng = random.Random(cfg.seed)
+
+    def score(m, item, method):
+        req = _request(method, *item, n_eval)
+        return float(-m.score([req])[0].sum()), req.num_tokens
+
     rows = []
     for domain, docs in tests.items():
         seqs = []
@@ -95,27 +120,14 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         idx, scores = retriever.search([setup.decode(s[: cfg.query_tokens]) for s in seqs], kmax)
         for k in [0, *cfg.ks]:
             for method in setup.methods:
-                if k == 0 and method != "truncated":
+                if (k == 0) != (method == "truncated"):
                     continue
-                if k > 0 and method == "truncated":
-                    continue
-
                 items = [
                     (seqs[i], [passages[j] for j in idx[i][:k]], [float(x) for x in scores[i][:k]])
                     for i in range(len(seqs))
                 ]
-
-                def score(m, item, _method=method):
-                    seq, ctx, sc = item
-                    if _method in ("full", "streamingllm"):  # best passage nearest the input
-                        req = Request([t for p in reversed(ctx) for t in p] + seq, n_eval)
-                    elif _method == "truncated":
-                        req = Request(seq, n_eval)
-                    else:
-                        req = Request(seq, n_eval, ctx, sc)
-                    return float(-m.score([req])[0].sum()), req.num_tokens
-
-                nll, cost = run_examples(setup, method, items, score, f"ralm {domain} k={k}")
+                fn = functools.partial(score, method=method)
+                nll, cost = run_examples(setup, method, items, fn, f"ralm {domain} k={k}")
                 rows.append(
                     {
                         "method": method,
