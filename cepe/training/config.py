@@ -166,6 +166,12 @@ class TrainConfig:
             label is not -100, as the cross-entropy.
         kl_smoothing: the smoothing ``s`` of the ``"other"`` KL form, whose teacher becomes
             ``(1 - s)·p + s/(k+1)`` (never zero).
+        online_teacher: the frozen decoder itself is the teacher, run during training (no teacher pass,
+            no ``teacher_dir``): it reads the example's context in its own window (the encoder tokens the
+            student sees, noise-masked and padding tokens dropped, in order, before the decoder tokens;
+            for ``qa`` examples after the chat template's opening), and the loss becomes ``ce_coef``·CE +
+            ``kl_coef``·KL over its top ``top_k`` tokens at every scored position. Stages ``cepe``
+            (mixed or not) and ``ceped``. Costs one decoder forward over K·L + n tokens per example.
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
@@ -225,6 +231,7 @@ class TrainConfig:
     kl_coef: float = 2.0
     kl_form: str = "drop"
     kl_smoothing: float = 1e-4
+    online_teacher: bool = False
     # loop
     steps: int = 100
     batch_size: int = 8
@@ -317,8 +324,19 @@ class TrainConfig:
         )
         if self.stage == "ceped":
             _check(
-                bool(self.teacher_dir),
-                "stage ceped needs teacher_dir (where `cepe teacher --config FILE` writes the teacher outputs)",
+                bool(self.teacher_dir) or self.online_teacher,
+                "stage ceped needs teacher_dir (where `cepe teacher --config FILE` writes the teacher outputs) "
+                "or online_teacher: true (the decoder reads the context during training)",
+            )
+        if self.online_teacher:
+            _check(
+                self.stage in ("cepe", "ceped"),
+                f"online_teacher (the decoder reading the context as the teacher) needs stage cepe or ceped, "
+                f"got {self.stage!r}",
+            )
+            _check(
+                self.teacher_dir is None,
+                "online_teacher computes the teacher during training; remove teacher_dir (or online_teacher)",
             )
         if self.stage == "mlm":
             _check(self.init_adapter is None, "the mlm stage trains the encoder alone; remove init_adapter")
@@ -411,6 +429,8 @@ class TrainConfig:
         if d.get("tasks") is None:
             for key in ("tasks", "copy_shuffle", "recall_cue", "recall_span"):
                 d.pop(key, None)
+        if not d.get("online_teacher"):
+            d.pop("online_teacher", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
         if "align_coef" not in d:

@@ -177,7 +177,7 @@ def build_example(
         if cfg.chunk_noise > 0:
             g = example_generator(seed, _NOISE_TAG, index)
             mask = chunk_noise_mask(mask, cfg.chunk_noise, cfg.chunk_noise_whole, g)
-    return {
+    out = {
         "input_ids": dec,
         "labels": dec.clone(),
         "encoder_input_ids": enc,
@@ -185,6 +185,9 @@ def build_example(
         "index": torch.tensor(index),
         **(extra if cfg.stage == "warmup" and cfg.align_coef > 0 else {}),
     }
+    if cfg.online_teacher:
+        out["context_at"] = torch.tensor(0)
+    return out
 
 
 def example_task(cfg: TrainConfig, index: int) -> str:
@@ -213,6 +216,8 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
       answer scored (:mod:`cepe.training.synthetic_qa`).
 
     ``task``: the kind's index in ``TASK_KINDS`` (the trainer logs the loss of each kind).
+    ``context_at`` (with ``online_teacher``): the decoder position before which the teacher reads the
+    context (0; for ``qa`` the length of the chat template's opening, so the context is in the user turn).
     ``align_targets`` ``(n,)``: for copied tokens, the flat encoder position of the token each decoder
     position predicts (-1 elsewhere); used when ``align_coef > 0``.
     """
@@ -226,6 +231,7 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
     align = torch.full((n,), -1, dtype=torch.long)
     labels = dec.clone()
     g = example_generator(seed, _SPAN_TAG, index)
+    tiny = None if cfg.tiny_decoder is None else int(cfg.tiny_decoder.get("vocab_size", 0))
     if kind == "lm":
         if cfg.chunk_noise > 0:
             mask = chunk_noise_mask(
@@ -250,7 +256,6 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         from .synthetic_qa import qa_example
 
         r = random.Random(int(example_generator(seed, _TASK_TAG, index).initial_seed()))
-        tiny = None if cfg.tiny_decoder is None else int(cfg.tiny_decoder.get("vocab_size", 0))
         enc, dec, labels, align = qa_example(enc, dec, r, cfg.decoder, tiny, templates=cfg.qa_templates)
     else:  # recall
         cue = int(cfg.recall_cue)
@@ -274,6 +279,13 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
     }
     if cfg.align_coef > 0:
         out["align_targets"] = align
+    if cfg.online_teacher:  # where the teacher reads the context: after the chat template's opening (qa)
+        at = 0
+        if kind == "qa":
+            from .synthetic_qa import chat_prefix_length
+
+            at = chat_prefix_length(cfg.decoder, tiny)
+        out["context_at"] = torch.tensor(at)
     return out
 
 

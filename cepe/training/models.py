@@ -171,6 +171,7 @@ class StageModule(nn.Module):
         self.kl_form, self.kl_smoothing = cfg.kl_form, cfg.kl_smoothing
         self.align_coef, self.align_heads = cfg.align_coef, cfg.align_heads
         self.align_layers = None if cfg.align_layers is None else frozenset(cfg.align_layers)
+        self.online_teacher, self.top_k = cfg.online_teacher, cfg.top_k
         self._held = contextlib.ExitStack()
         self.fast = not getattr(cfg, "reference_path", False)  # chunked head loss, no decoder cache
         self._head = HeadWeight()
@@ -188,33 +189,52 @@ class StageModule(nn.Module):
                 loss, _ = self.model(batch["input_ids"], labels=batch["labels"])
                 return loss, {}
             m: CepeForCausalLM = self.model
+            self._held.close()
+            if self.online_teacher:  # the decoder reads the context itself (no cross-attention installed)
+                from .teacher import online_teacher_topk
+
+                batch = dict(batch)
+                batch["teacher_probs"], batch["teacher_indices"] = online_teacher_topk(
+                    m.decoder,
+                    batch["input_ids"],
+                    batch["labels"],
+                    batch["encoder_input_ids"],
+                    batch["encoder_attention_mask"],
+                    self.top_k,
+                    batch.get("context_at"),
+                )
             ctx = m.prepare_context(
                 batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
             )
-            self._held.close()
             self._held.enter_context(m.use_context(ctx))
             if "align_targets" in batch and ctx is not None:
                 ctx.align = AlignProbe(batch["align_targets"], self.align_heads, self.align_layers)
             if self.stage != "ceped":
                 extra: dict[str, torch.Tensor] = {}
-                if self.fast:
+                distill = "teacher_probs" in batch
+                if self.fast or distill:
                     base = m.decoder.get_decoder()
                     hidden = base(
                         input_ids=batch["input_ids"], use_cache=False
                     ).last_hidden_state  # (B, T, D)
-                    lm = lm_loss(m, hidden, batch["labels"], self._head, True)
+                    lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast)
                     if "task" in batch:
                         extra = self._task_losses(m, hidden, batch)
                 else:
                     lm = m(
                         batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
                     ).loss
+                loss, metrics = lm, dict(extra)
+                if distill:  # CE + KL to the decoder reading the context itself
+                    kl = self._scored_kl(m, hidden, batch)
+                    loss = self.ce_coef * lm + self.kl_coef * kl
+                    metrics.update(lm=lm.detach(), kl=kl.detach())
                 if ctx is not None and ctx.align is not None:
                     align = ctx.align.loss()
                     ctx.align = None
-                    metrics = {"lm": lm.detach(), "align": align.detach(), **extra}
-                    return lm + self.align_coef * align, metrics
-                return lm, extra
+                    metrics.update(lm=lm.detach(), align=align.detach())
+                    return loss + self.align_coef * align, metrics
+                return loss, metrics
             hidden = m.decoder.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # (B, T, D)
             logits = m.lm_logits(hidden[:, :-1])  # (B, T-1, V): position t predicts token t+1
         v = logits.shape[-1]
@@ -231,6 +251,19 @@ class StageModule(nn.Module):
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}
+
+    def _scored_kl(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        """KL(teacher ‖ student) over the teacher's top-k at the scored positions only (the student's head
+        runs on those rows alone)."""
+        keep = batch["labels"][:, 1:] != -100  # (B, T-1)
+        logits = m.lm_logits(hidden[:, :-1][keep])  # (N, V)
+        return topk_kl(
+            logits,
+            batch["teacher_probs"][keep],
+            batch["teacher_indices"][keep],
+            self.kl_form,
+            self.kl_smoothing,
+        )
 
     @torch.no_grad()
     def _task_losses(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:

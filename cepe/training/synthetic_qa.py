@@ -172,6 +172,11 @@ def _chat_parts(decoder: str, tiny_vocab: int | None) -> tuple[list[int], list[i
     return tok.encode(before, add_special_tokens=False), tok.encode(after, add_special_tokens=False)
 
 
+def chat_prefix_length(decoder: str, tiny_vocab: int | None = None) -> int:
+    """Tokens of the chat template's opening that start every ``qa`` decoder (0 without a template)."""
+    return len(_chat_parts(decoder, tiny_vocab)[0])
+
+
 def qa_example(
     enc: torch.Tensor,
     dec: torch.Tensor,

@@ -491,7 +491,7 @@ def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[[int], dict[s
     source = window_source(cfg, vocab)
     mask_id = inner.encoder.config.mask_token_id if cfg.stage == "mlm" else None
     teacher = None
-    if cfg.stage == "ceped":
+    if cfg.stage == "ceped" and not cfg.online_teacher:
         from .teacher import TeacherStore
 
         teacher = TeacherStore(cfg)

@@ -1,0 +1,186 @@
+"""The online CEPED teacher: the frozen decoder reads the student's context in its own window during
+training, and the loss is CE + KL to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from cepe.training.config import load_config
+from cepe.training.data import build_example, collate, window_source
+from cepe.training.losses import teacher_topk, topk_kl
+from cepe.training.models import StageModule, build_model
+from cepe.training.teacher import online_teacher_topk, run_teacher
+from cepe.training.trainer import read_log, train
+
+
+def _cfg(tmp_path, **over):
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(
+        output_dir=str(tmp_path / "run"),
+        steps=4,
+        progress=False,
+        data={"synthetic": "distinct"},
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1},
+        cepe={"init_mode": "gate", "mirror_self_attention": True},
+        online_teacher=True,
+        top_k=16,
+    )
+    d.update(over)
+    return load_config(d)
+
+
+def test_teacher_reads_the_unmasked_context_where_told(tmp_path):
+    """Row t of example i is the decoder's own distribution of token t+1 after reading, at ``context_at``,
+    exactly the encoder tokens the mask keeps (chunk noise and padding dropped, in order)."""
+    cfg = _cfg(tmp_path)
+    model = build_model(cfg)
+    dec = model.decoder
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (2, 12), generator=g)
+    enc = torch.randint(0, 128, (2, 3, 5), generator=g)
+    mask = torch.ones(2, 3, 5, dtype=torch.bool)
+    mask[0, 1, 2:] = False  # chunk noise: a suffix removed
+    mask[1, 2] = False  # a whole chunk
+    labels = ids.clone()
+    labels[1, :7] = -100  # example 1 scores only its last tokens
+    at = torch.tensor([0, 4])
+    probs, idx = online_teacher_topk(dec, ids, labels, enc, mask, 16, at)
+    assert probs.shape == idx.shape == (2, 11, 16)
+    for i in range(2):
+        ctx = enc[i][mask[i]]
+        a = int(at[i])
+        full = torch.cat([ids[i, :a], ctx, ids[i, a:]])[None]
+        with torch.no_grad():
+            logits = dec(full).logits[0]
+        for t in range(11):
+            if labels[i, t + 1] == -100:
+                assert not probs[i, t].any()
+                continue
+            row = t if t < a else t + ctx.numel()
+            p, j = teacher_topk(logits[row], 16)
+            torch.testing.assert_close(probs[i, t], p)
+            assert torch.equal(idx[i, t], j.long())
+    assert ctx.numel() == 10  # example 1 kept two whole chunks
+
+
+def test_kl_vanishes_when_the_student_reads_what_the_teacher_reads(tmp_path):
+    """With every context token masked the teacher reads the decoder tokens alone and CEPE equals the
+    decoder exactly (the invariant), so the KL is only the fp16 rounding of the stored probabilities;
+    with context and closed gates (the start of training) it is the context's real effect."""
+    cfg = _cfg(tmp_path, chunk_noise=0.0)
+    model = build_model(cfg)
+    module = StageModule(model, cfg)
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(4)])
+    batch.pop("index")
+    empty = dict(batch, encoder_attention_mask=torch.zeros_like(batch["encoder_attention_mask"]))
+    loss, metrics = module(empty)
+    module.release()
+    assert float(metrics["kl"]) < 2e-3
+    torch.testing.assert_close(loss, cfg.ce_coef * metrics["lm"] + cfg.kl_coef * metrics["kl"])
+    _, with_context = module(batch)
+    module.release()
+    assert float(with_context["kl"]) > 20 * float(metrics["kl"])
+
+
+def test_online_kl_matches_the_plain_computation(tmp_path):
+    """The fast path (chunked CE, head on scored rows) gives the loss of full logits + topk_kl by hand."""
+    cfg = _cfg(
+        tmp_path, tasks={"lm": 1, "copy": 1, "recall": 1}, recall_cue=4, recall_span=[4, 12], align_coef=1.0
+    )
+    model = build_model(cfg)
+    with torch.no_grad():  # open the gates so that the student differs from the teacher
+        for m in model.cross_attention_modules():
+            for name, p in m.named_parameters():
+                if "gate" in name:
+                    p.fill_(0.5)
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(4)])
+    batch.pop("index")
+    fast = StageModule(model, cfg)
+    loss, metrics = fast(batch)
+    fast.release()
+    probs, idx = online_teacher_topk(
+        model.decoder,
+        batch["input_ids"],
+        batch["labels"],
+        batch["encoder_input_ids"],
+        batch["encoder_attention_mask"],
+        16,
+        batch["context_at"],
+    )
+    with torch.no_grad():
+        out = model(
+            batch["input_ids"],
+            encoder_input_ids=batch["encoder_input_ids"],
+            encoder_attention_mask=batch["encoder_attention_mask"],
+        )
+    logits = out.logits[:, :-1]
+    keep = batch["labels"][:, 1:] != -100
+    ce = torch.nn.functional.cross_entropy(logits[keep].float(), batch["labels"][:, 1:][keep])
+    kl = topk_kl(logits[keep], probs[keep], idx[keep], cfg.kl_form)
+    torch.testing.assert_close(metrics["kl"], kl, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metrics["lm"], ce, rtol=1e-4, atol=1e-5)
+    assert float(kl) > 0.05
+    torch.testing.assert_close(
+        loss, cfg.ce_coef * ce + cfg.kl_coef * kl + cfg.align_coef * metrics["align"], rtol=1e-4, atol=1e-5
+    )
+
+
+def test_online_teacher_trains_and_resumes_exactly(tmp_path):
+    cfg = _cfg(tmp_path, steps=4, save_every=2)
+    log = read_log(train(cfg))
+    assert len(log) == 4 and all("kl" in r and "lm" in r for r in log)
+    again = _cfg(tmp_path, steps=4, save_every=2, output_dir=str(tmp_path / "again"))
+    train(again)
+    import shutil
+
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "step_000004")
+    resumed = read_log(train(again, resume=True))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in log]
+
+
+def test_kl_gradient_pulls_the_student_to_the_teacher(tmp_path):
+    """Distillation alone (no CE) on one fixed batch: the KL's gradient reaches the adapter and lowers it."""
+    cfg = _cfg(tmp_path, ce_coef=0.0, kl_coef=1.0, chunk_noise=0.0, top_k=128)
+    model = build_model(cfg)
+    module = StageModule(model, cfg)
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(4)])
+    batch.pop("index")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    kls = []
+    for _ in range(25):
+        loss, metrics = module(batch)
+        loss.backward()
+        module.release()
+        opt.step()
+        opt.zero_grad()
+        kls.append(float(metrics["kl"]))
+    assert kls[-1] < 0.6 * kls[0]
+
+
+def test_online_teacher_config(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert cfg.fingerprint() != _cfg(tmp_path, online_teacher=False).fingerprint()
+    plain = _cfg(tmp_path, online_teacher=False)
+    assert (
+        "online_teacher" not in plain.to_dict()
+        or plain.fingerprint()
+        == _cfg(tmp_path, online_teacher=False, output_dir=str(tmp_path / "x")).fingerprint()
+    )
+    with pytest.raises(ValueError, match="online_teacher"):
+        load_config({**yaml.safe_load(open("configs/train/tiny/warmup.yaml")), "online_teacher": True})
+    with pytest.raises(ValueError, match="remove teacher_dir"):
+        _cfg(tmp_path, teacher_dir=str(tmp_path / "t"))
+    ceped = _cfg(tmp_path, stage="ceped")  # no teacher_dir needed
+    assert ceped.online_teacher and ceped.teacher_dir is None
+    with pytest.raises(ValueError, match="no pass is needed"):
+        run_teacher(ceped, progress=False)
+    log = read_log(train(_cfg(tmp_path, stage="ceped", steps=2, output_dir=str(tmp_path / "d"))))
+    assert len(log) == 2 and all("kl" in r for r in log)
