@@ -256,6 +256,8 @@ class StageModule(nn.Module):
         """KL(teacher ‖ student) over the teacher's top-k at the scored positions only (the student's head
         runs on those rows alone)."""
         keep = batch["labels"][:, 1:] != -100  # (B, T-1)
+        if not bool(keep.any()):  # nothing scored: 0, still connected to the graph
+            return hidden.float().sum() * 0.0
         logits = m.lm_logits(hidden[:, :-1][keep])  # (N, V)
         return topk_kl(
             logits,
