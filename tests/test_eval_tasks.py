@@ -154,6 +154,10 @@ def test_needle(setup, tmp_path):
     assert "heatmap_cepe" in paths
     assert len(r["grids"]["cepe"]) == 2 and len(r["grids"]["cepe"][0]) == 2
     assert setup.cepe_model.cepe_config.score_scaling == "none"  # restored
+    for row in r["rows"]:  # the generated answer is kept, and it is what was scored
+        assert isinstance(row["answer"], str)
+        keys = [k.lower() for k in cfg.get("answer_keywords", ["sandwich", "Dolores Park"])]
+        assert row["value"] == 100.0 * sum(k in row["answer"].lower() for k in keys) / len(keys)
 
 
 def test_cli_end_to_end(tmp_path, capsys):

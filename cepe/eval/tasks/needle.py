@@ -4,7 +4,8 @@ essays), then the question; the answer must contain the needle's key words.
 The decoder keeps the last ``decoder_window`` tokens of the haystack plus the question; the rest is split
 at sentence boundaries into encoder chunks of at most ``chunk_length`` tokens. With ``score_scaling``
 (``yarn``) the CEPE cross-attention scores are scaled by the ratio of context tokens to training context
-tokens (:class:`cepe.config.CepeConfig`). Writes an accuracy grid and one heatmap PNG per method.
+tokens (:class:`cepe.config.CepeConfig`). Writes an accuracy grid and one heatmap PNG per method; each
+row keeps the generated ``answer``.
 """
 
 from __future__ import annotations
@@ -108,14 +109,17 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     keys = [k.lower() for k in cfg.answer_keywords]
 
     def go(mm, r):
-        text = setup.decode(mm.generate(r)).lower()
-        return sum(k in text for k in keys) / max(1, len(keys)), r.num_tokens
+        text = setup.decode(mm.generate(r))
+        answers.append(text)
+        low = text.lower()
+        return sum(k in low for k in keys) / max(1, len(keys)), r.num_tokens
 
     rows: list[dict[str, Any]] = []
     for method in setup.methods:
         for depth in cfg.depths:
             for total in cfg.totals:
                 req = _request(method, build_haystack(sentences, needle, total, depth), pre, suf, cfg)
+                answers: list[str] = []
                 restore = _scale(setup, cfg) if method == "cepe" else None
                 try:
                     vals, cost = run_examples(setup, method, [req], go, f"needle T={total} d={depth}")
@@ -129,6 +133,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                         "metric": "accuracy",
                         "value": 100.0 * vals[0],
                         "n": 1,
+                        "answer": answers[0],
                         **cost,
                     }
                 )
