@@ -25,6 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import CACHE_MODES, CepeConfig, default_encoder_config
 from .cross_attention import CrossContext
 from .encoder import ContextEncoder
+from .fileio import umask
 from .layers import norm_scale
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
@@ -482,6 +483,7 @@ class CepeForCausalLM(nn.Module):
                 tensors = quantize_int8_rowwise(tensors)
                 metadata["cepe_quant"] = QUANT_METADATA
             save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata=metadata)
+            os.chmod(tmp / ADAPTER_WEIGHTS, 0o666 & ~umask())  # as `open` would create it, not 0600
             self.cepe_config.save(tmp / ADAPTER_CONFIG)
             for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
                 os.replace(tmp / name, out / name)

@@ -42,6 +42,10 @@ def test_save_load_round_trip(tmp_path):
         b = loaded(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
     assert torch.equal(a, b)
     assert not list((tmp_path / "adapter").glob(".tmp-*"))
+    from cepe.fileio import umask
+
+    for f in (tmp_path / "adapter").iterdir():  # readable as `open` would create them (not 0600)
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask(), f.name
 
 
 def test_load_refuses_bad_adapters(tmp_path):
