@@ -11,7 +11,8 @@ from cepe.training.config import load_config
 from cepe.training.data import build_example, collate, window_source
 from cepe.training.losses import teacher_topk, topk_kl
 from cepe.training.models import StageModule, build_model
-from cepe.training.teacher import online_teacher_topk, run_teacher
+from cepe.training.online_teacher import online_teacher_topk
+from cepe.training.teacher import run_teacher
 from cepe.training.trainer import read_log, train
 
 

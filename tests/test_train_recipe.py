@@ -86,6 +86,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_cue",
         "recall_span",
         "qa_templates",
+        "online_teacher",
     ):
         d.pop(key)
     d["data"].pop("shuffle")

@@ -48,7 +48,10 @@ def test_chunked_head_loss_matches_full_logits_fp32(chunk):
     (ggot,) = torch.autograd.grad(got * 3.0, h)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ggot, gref, rtol=1e-5, atol=1e-7)
+    # fp32 round-off of 300-term sums: a one-row chunk takes another matmul kernel on some CPUs (1.5e-7
+    # seen on a Zen 4 core), far below the gradient's scale (about 1e-2)
+    assert float(gref.abs().max()) > 1e-3
+    torch.testing.assert_close(ggot, gref, rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_head_loss_matches_autocast_bf16():

@@ -191,7 +191,7 @@ class StageModule(nn.Module):
             m: CepeForCausalLM = self.model
             self._held.close()
             if self.online_teacher:  # the decoder reads the context itself (no cross-attention installed)
-                from .teacher import online_teacher_topk
+                from .online_teacher import online_teacher_topk
 
                 batch = dict(batch)
                 batch["teacher_probs"], batch["teacher_indices"] = online_teacher_topk(
