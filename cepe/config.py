@@ -116,6 +116,11 @@ class CepeConfig:
             normalised hidden states, its scores are the layer's self-attention scores: the query norm is
             copied from ``input_layernorm`` and that norm's weight is folded into k/v (needs D_enc = D_dec).
             Off (default) gives the released code's init: norm from ``post_attention_layernorm``.
+        null_key: give every cross-attention KV head a learned "no match" key with a zero value (starts at
+            zero): a query that finds nothing in the context can attend there, so a head's output shrinks
+            on such tokens instead of always adding a mix of context values (beyond the released code:
+            its checkpoint layout has no such parameter). The ``absorbed`` cache then projects keys as
+            ``states`` does (same result).
     """
 
     encoder: EncoderConfig
@@ -133,6 +138,7 @@ class CepeConfig:
     decoder_vocab_size: int | None = None
     share_embeddings: bool = False
     mirror_self_attention: bool = False
+    null_key: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

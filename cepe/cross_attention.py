@@ -143,6 +143,7 @@ class CrossAttention(nn.Module):
         layer_idx: int,
         gated: bool = False,
         qk_norm: bool = False,
+        null_key: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -161,6 +162,10 @@ class CrossAttention(nn.Module):
         self.gate = nn.Parameter(torch.zeros(num_heads)) if gated else None
         # Decoders whose self-attention normalises every query and key head (Qwen 3, Gemma 3) get the
         # same per-head norms here (copied at init), so copied q/k live on the scale their weights expect.
+        # A learned "no match" key per KV head whose value is zero (``CepeConfig.null_key``): a query
+        # that finds nothing in the context can put its attention there, and the head adds less (only
+        # its softmax share over the real keys): head h's output is attn(real keys) · σ(lse − q·n_h).
+        self.null_key = nn.Parameter(torch.zeros(num_kv_heads, head_dim)) if null_key else None
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -183,7 +188,7 @@ class CrossAttention(nn.Module):
         if ctx.q_scale is not None:
             q = q * ctx.q_scale.to(q.dtype)  # scales every score of that example
         key_mask = ctx.key_mask
-        if ctx.mode == "absorbed" and self.k_norm is None:
+        if ctx.mode == "absorbed" and self.k_norm is None and self.null_key is None:
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:
             if ctx.mode == "kv" and not torch.is_grad_enabled():
@@ -192,14 +197,24 @@ class CrossAttention(nn.Module):
                 if self.layer_idx not in ctx.kv:
                     # Stored contiguous in (B, KV, S, hd): the projection's (B, S, KV, hd) layout, read
                     # through a transpose, makes every later decode step's attention ~1.7x slower on CPU.
+                    # A null key is stored with them (key 0), so decode steps copy nothing.
                     k, v = self.project_kv(ctx.states.to(q.dtype))
+                    if self.null_key is not None:
+                        k, v, _ = self.with_null_key(k, v, None)
                     ctx.kv[self.layer_idx] = (k.contiguous(), v.contiguous())
                 k, v = ctx.kv[self.layer_idx]
-            else:  # "states" (or "kv" under autograd; "absorbed" with per-head key norms, which cannot be
-                # folded into the query): re-project at every call
+                nulled = self.null_key is not None
+            else:  # "states" (or "kv" under autograd; "absorbed" with per-head key norms or a null key,
+                # which cannot be folded into the query): re-project at every call
                 k, v = self.project_kv(ctx.states.to(q.dtype))
-            if ctx.align is not None and ctx.align.wants(self.layer_idx):
-                ctx.align.losses.append(align_nll(q, k, key_mask, self.scale, ctx.align))
+                nulled = False
+            if ctx.align is not None and ctx.align.wants(self.layer_idx):  # over the real keys
+                ctx.align.losses.append(align_nll(q, k[:, :, int(nulled) :], key_mask, self.scale, ctx.align))
+            if nulled:  # the cache holds it already; the mask gains its column
+                if key_mask is not None:
+                    key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], 1), key_mask], dim=1)
+            elif self.null_key is not None:
+                k, v, key_mask = self.with_null_key(k, v, key_mask)
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
@@ -207,6 +222,18 @@ class CrossAttention(nn.Module):
         if ctx.has_context is not None:
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
+
+    def with_null_key(
+        self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K, V ``(B, KV, S, hd)`` and the key mask ``(B, S)`` with the null key (value 0) as key 0."""
+        b = k.shape[0]
+        nk = self.null_key.to(k.dtype)[None, :, None, :].expand(b, -1, 1, -1)  # (B, KV, 1, hd)
+        k = torch.cat([nk, k], dim=2)
+        v = torch.cat([v.new_zeros(b, v.shape[1], 1, v.shape[3]), v], dim=2)
+        if key_mask is not None:
+            key_mask = torch.cat([key_mask.new_ones(b, 1), key_mask], dim=1)
+        return k, v, key_mask
 
     def _absorbed(
         self, q: torch.Tensor, states: torch.Tensor, key_mask: torch.Tensor | None, impl: str
@@ -263,6 +290,8 @@ class CrossAttention(nn.Module):
             self.o_proj.weight.copy_(self_attn.o_proj.weight)
         if self.gate is not None:
             self.gate.zero_()
+        if self.null_key is not None:
+            self.null_key.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)
             if mine is not None:

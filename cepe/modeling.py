@@ -58,6 +58,7 @@ class CepeForCausalLM(nn.Module):
             cepe_config.encoder.hidden_size,
             self._slot,
             gated=cepe_config.init_mode == "gate",
+            null_key=cepe_config.null_key,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -168,6 +169,16 @@ class CepeForCausalLM(nn.Module):
     def cross_attention_modules(self) -> list[nn.Module]:
         layers = decoder_layers(self.decoder)
         return [layers[i].cross_attn for i in self.cross_layers]
+
+    def enable_null_key(self) -> None:
+        """Give every cross-attention head group a "no match" key (``CepeConfig.null_key``), zero, to an
+        adapter trained without one (a zero null key is a key of score 0 whose value is 0: the real keys'
+        weights shrink by ``Z / (Z + 1)``). Idempotent."""
+        for m in self.cross_attention_modules():
+            if m.null_key is None:
+                w = m.q_proj.weight
+                m.null_key = nn.Parameter(torch.zeros(m.num_kv, m.head_dim, device=w.device, dtype=w.dtype))
+        self.cepe_config.null_key = True
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``)."""

@@ -123,7 +123,12 @@ class ContextSlot:
 
 
 def attach_cross_attention(
-    decoder: nn.Module, layer_indices: list[int], encoder_hidden: int, slot: ContextSlot, gated: bool = False
+    decoder: nn.Module,
+    layer_indices: list[int],
+    encoder_hidden: int,
+    slot: ContextSlot,
+    gated: bool = False,
+    null_key: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -151,6 +156,7 @@ def attach_cross_attention(
             eps,
             layer_idx=i,
             gated=gated,
+            null_key=null_key,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

@@ -119,7 +119,9 @@ class TrainConfig:
         decoder_dtype: ``"float32"`` or ``"bfloat16"`` weights for the frozen decoder.
         encoder: ``EncoderConfig`` fields (``vocab_size`` / ``mask_token_id`` are filled from the decoder:
             its vocabulary plus one ``[MASK]`` token).
-        cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...).
+        cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...). With
+            ``init_adapter`` they are ignored, except ``null_key: true``, which adds zero "no match" keys
+            to an adapter trained without them.
         init_encoder: an MLM stage output directory; the encoder starts from it (warmup).
         encoder_init: ``"random"`` (an encoder of its own, sized by ``encoder``) or ``"decoder"``: the
             encoder is a copy of the decoder's first ``encoder.num_hidden_layers`` layers (default 4) at

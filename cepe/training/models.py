@@ -117,6 +117,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         model = CepeForCausalLM.from_pretrained(cfg.init_adapter, decoder=decoder)
         if model.cepe_config.chunk_length != cfg.stage_chunk_length:
             model.cepe_config.chunk_length = cfg.stage_chunk_length
+        if cfg.cepe.get("null_key") and not model.cepe_config.null_key:
+            model.enable_null_key()  # a stage that adds "no match" keys to an adapter trained without
     else:
         vocab = int(decoder.config.vocab_size)
         kw = dict(cfg.cepe)
