@@ -292,9 +292,12 @@ def test_packed_keys_match_unpacked():
     assert (a - b).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("null_key", [False, True])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_cache_modes_agree(impl):
-    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(attn_implementation=impl)).eval()
+def test_cache_modes_agree(impl, null_key):
+    """With null keys: kv caches them with K/V; absorbed falls back to projected keys."""
+    cfg = tiny_cepe_config(attn_implementation=impl, null_key=null_key)
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), cfg).eval()
     randomize_cross(model)
     ids = _ids()
     enc_ids, enc_mask = random_context(2, 3)
