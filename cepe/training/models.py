@@ -219,7 +219,10 @@ class StageModule(nn.Module):
                     hidden = base(
                         input_ids=batch["input_ids"], use_cache=False
                     ).last_hidden_state  # (B, T, D)
-                    lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast)
+                    if distill:  # CE + KL to the decoder reading the context, from one head pass
+                        lm, kl = self._scored_losses(m, hidden, batch)
+                    else:
+                        lm = lm_loss(m, hidden, batch["labels"], self._head, True)
                     if "task" in batch:
                         extra = self._task_losses(m, hidden, batch)
                 else:
@@ -227,8 +230,7 @@ class StageModule(nn.Module):
                         batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
                     ).loss
                 loss, metrics = lm, dict(extra)
-                if distill:  # CE + KL to the decoder reading the context itself
-                    kl = self._scored_kl(m, hidden, batch)
+                if distill:
                     loss = self.ce_coef * lm + self.kl_coef * kl
                     metrics.update(lm=lm.detach(), kl=kl.detach())
                 if ctx is not None and ctx.align is not None:
@@ -254,20 +256,25 @@ class StageModule(nn.Module):
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}
 
-    def _scored_kl(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
-        """KL(teacher ‖ student) over the teacher's top-k at the scored positions only (the student's head
-        runs on those rows alone)."""
+    def _scored_losses(
+        self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(CE, KL(teacher ‖ student))`` at the scored positions, from one pass of the student's head over
+        those rows alone (the KL over the teacher's top-k)."""
         keep = batch["labels"][:, 1:] != -100  # (B, T-1)
         if not bool(keep.any()):  # nothing scored: 0, still connected to the graph
-            return hidden.float().sum() * 0.0
+            zero = hidden.float().sum() * 0.0
+            return zero, zero
         logits = m.lm_logits(hidden[:, :-1][keep])  # (N, V)
-        return topk_kl(
+        ce = F.cross_entropy(logits.float(), batch["labels"][:, 1:][keep])
+        kl = topk_kl(
             logits,
             batch["teacher_probs"][keep],
             batch["teacher_indices"][keep],
             self.kl_form,
             self.kl_smoothing,
         )
+        return ce, kl
 
     @torch.no_grad()
     def _task_losses(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
