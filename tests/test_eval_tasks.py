@@ -217,3 +217,42 @@ def test_shipped_configs_parse():
         build(importlib.import_module(f"cepe.eval.tasks.{task}").Config, data, f)
     with pytest.raises(ValueError, match=r"unknown lm config keys \['totalz'\]"):
         build(importlib.import_module("cepe.eval.tasks.lm").Config, {"totalz": [1]}, "lm config")
+
+
+def test_needle_forced_answer(setup):
+    """``answer_nll`` is the teacher-forced NLL of the forced answer after the prompt and forced prefix:
+    for the truncated decoder it equals the decoder's own cross-entropy on the same tokens."""
+    import torch
+
+    from cepe.eval.tasks.needle import Config, _request, build_haystack, wrap_prompt
+
+    docs = _docs(4, sentences=40)
+    cfg = {
+        "haystack": {"documents": docs},
+        "totals": [200],
+        "depths": [0.5],
+        "decoder_window": 96,
+        "chunk_length": 32,
+        "max_new_tokens": 2,
+        "chat_template": False,
+        "forced_prefix": " The best thing",
+        "forced_answer": " is eat a sandwich.",
+    }
+    r = run_task("needle", setup, cfg)
+    rows = {row["method"]: row for row in r["rows"]}
+    assert all(row["answer_nll"] > 0 for row in rows.values())
+    # recompute the truncated row by hand
+    from cepe.eval.common import split_sentences
+
+    c = Config(**cfg)
+    sentences = [setup.encode(s) for d in docs for s in split_sentences(d["text"])]
+    needle = setup.encode(c.needle.strip() + " ")
+    before, _ = wrap_prompt(setup, False)
+    suf = setup.encode(f"\n\n{c.question}\n{c.answer_prefix}")
+    req = _request("truncated", build_haystack(sentences, needle, 200, 0.5), setup.encode(before), suf, c)
+    target = setup.encode(c.forced_answer)
+    ids = torch.tensor([req.input_ids + setup.encode(c.forced_prefix) + target])
+    with torch.no_grad():
+        logits = setup.cepe_model.decoder(input_ids=ids).logits[0, -len(target) - 1 : -1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(target)).item()
+    assert rows["truncated"]["answer_nll"] == pytest.approx(nll, abs=1e-3)

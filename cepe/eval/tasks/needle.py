@@ -6,6 +6,11 @@ at sentence boundaries into encoder chunks of at most ``chunk_length`` tokens. W
 (``yarn``) the CEPE cross-attention scores are scaled by the ratio of context tokens to training context
 tokens (:class:`cepe.config.CepeConfig`). Writes an accuracy grid and one heatmap PNG per method; each
 row keeps the generated ``answer``.
+
+With ``forced_answer`` each row also gets ``answer_nll``: the mean negative log-likelihood (nats per token)
+of that text after the question and ``forced_prefix`` (for example the answer's opening, restating the
+question), teacher-forced. Accuracy is all or nothing; the likelihood shows whether a checkpoint is moving
+towards reading the needle before its greedy answers change.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Config:
         decoder_window: decoder tokens of haystack (paper 2K); chunk_length: max encoder chunk tokens.
         score_scaling: ``none`` or ``yarn`` (CEPE only); train_context_tokens: the training context length
             (default: the model's ``cepe_config.train_context_tokens``).
+        forced_answer: text whose teacher-forced likelihood is also measured (``answer_nll``); None = no.
+        forced_prefix: text between the question's end and ``forced_answer`` (the answer's opening).
     """
 
     haystack: dict[str, Any] = field(default_factory=lambda: {"corpus": "essays"})
@@ -52,6 +59,8 @@ class Config:
     answer_prefix: str = "Answer:"
     score_scaling: str = "none"
     train_context_tokens: int | None = None
+    forced_answer: str | None = None
+    forced_prefix: str = ""
 
 
 def build_haystack(
@@ -107,10 +116,15 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     pre = setup.encode(before)
     suf = setup.encode(f"\n\n{cfg.question}" + (after if before else f"\n{cfg.answer_prefix}"))
     keys = [k.lower() for k in cfg.answer_keywords]
+    forced = setup.encode(cfg.forced_answer) if cfg.forced_answer else []
+    forced_pre = setup.encode(cfg.forced_prefix) if cfg.forced_answer and cfg.forced_prefix else []
 
     def go(mm, r):
         text = setup.decode(mm.generate(r))
         answers.append(text)
+        if forced:
+            f = Request(r.input_ids + forced_pre + forced, len(forced), r.context)
+            nlls.append(-float(mm.score([f])[0].mean()))
         low = text.lower()
         return sum(k in low for k in keys) / max(1, len(keys)), r.num_tokens
 
@@ -120,6 +134,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
             for total in cfg.totals:
                 req = _request(method, build_haystack(sentences, needle, total, depth), pre, suf, cfg)
                 answers: list[str] = []
+                nlls: list[float] = []
                 restore = _scale(setup, cfg) if method == "cepe" else None
                 try:
                     vals, cost = run_examples(setup, method, [req], go, f"needle T={total} d={depth}")
@@ -134,6 +149,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                         "value": 100.0 * vals[0],
                         "n": 1,
                         "answer": answers[0],
+                        **({"answer_nll": round(nlls[0], 4)} if nlls else {}),
                         **cost,
                     }
                 )
