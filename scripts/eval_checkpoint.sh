@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Score a training checkpoint's adapter on the validation probes used to follow a run: the copy probe
-# (held-out passages, natural and shuffled), the validation needle (configs/eval/needle_val.yaml) and the
+# (held-out passages, natural and shuffled), the validation needle with its answer's teacher-forced NLL
+# (configs/eval/needle_val_nll.yaml: the needle_val layout with the adapter's 64-token chunks) and the
 # validation perplexity (configs/eval/lm_val.yaml: the retrieval split, never trained on, not the test split).
 # Usage: bash scripts/eval_checkpoint.sh RUN_DIR STEP   (e.g. runs/recipe/long_mixed 300)
 # Results: RUN_DIR/eval/step_NNNNNN/{copy,needle}/. Pause a training run on the same cores first.
@@ -12,7 +13,7 @@ ADAPTER=$RUN/checkpoints/step_$STEP/adapter
 OUT=$RUN/eval/step_$STEP
 cepe eval copy --model "$ADAPTER" --config configs/eval/copy.yaml --methods cepe --autocast bf16 \
   --out "$OUT/copy" > /dev/null
-cepe eval needle --model "$ADAPTER" --config configs/eval/needle_val.yaml --methods cepe --autocast bf16 \
+cepe eval needle --model "$ADAPTER" --config configs/eval/needle_val_nll.yaml --methods cepe --autocast bf16 \
   --out "$OUT/needle" > /dev/null
 cepe eval lm --model "$ADAPTER" --config configs/eval/lm_val.yaml --methods cepe --autocast bf16 \
   --out "$OUT/lm_val" > /dev/null
@@ -24,6 +25,7 @@ needle = json.load(open(f"{out}/needle/needle.json"))["rows"]
 lm = [r for r in json.load(open(f"{out}/lm_val/lm.json"))["rows"] if r["setting"]["domain"] == "avg"]
 cells = " / ".join(f"{r['value']:.1f}" for r in copy)
 print(f"{out}: copy ppl (natural essays/papers/code, shuffled ...) {cells}; "
-      f"needle_val {sum(r['value'] for r in needle) / len(needle):.1f}% of {len(needle)}; "
+      f"needle_val {sum(r['value'] for r in needle) / len(needle):.1f}% of {len(needle)}, "
+      f"answer NLL {sum(r['answer_nll'] for r in needle) / len(needle):.2f}; "
       f"lm_val ppl " + " / ".join(f"{r['setting']['total']}: {r['value']:.2f}" for r in lm))
 PY
