@@ -185,3 +185,22 @@ def test_bad_config(setup):
         run_task("ruler", setup, _cfg(tasks=["vt"], totals=[200]))
     with pytest.raises(ValueError, match="max_new_tokens keys"):
         run_task("ruler", setup, _cfg(max_new_tokens={"needle": 3}))
+
+
+def test_merge_equals_one_run(setup):
+    """Runs of different methods on the same prompts merge into what one run of all of them gives;
+    runs of other settings or a repeated method are refused."""
+    cfg = _cfg(tasks=["niah_single_1", "vt"], totals=[1800])
+    both = run_task("ruler", setup, cfg)
+    parts = []
+    for method in setup.methods:
+        one = load_setup("tiny", [method], method_options=setup.method_options, progress=False)
+        parts.append({**run_task("ruler", one, cfg), "methods": [method], "config": cfg, "model": "tiny"})
+    merged = ruler.merge(parts)
+    key = lambda r: (r["method"], r["setting"]["task"], r["setting"]["total"])  # noqa: E731
+    assert {key(r): r["value"] for r in merged["rows"]} == {key(r): r["value"] for r in both["rows"]}
+    assert merged["heatmaps"] == both["heatmaps"] and merged["extra_markdown"] == both["extra_markdown"]
+    with pytest.raises(ValueError, match="repeats method"):
+        ruler.merge([parts[0], parts[0]])
+    with pytest.raises(ValueError, match="differs from run 1 in 'config'"):
+        ruler.merge([parts[0], {**parts[1], "config": {**cfg, "samples": 2}}])

@@ -86,6 +86,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_cue",
         "recall_span",
         "qa_templates",
+        "qa_inline",
         "online_teacher",
     ):
         d.pop(key)
@@ -102,6 +103,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         d.pop(key, None)
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, qa_inline=0.5).fingerprint() != cfg.fingerprint()
 
 
 def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
@@ -310,6 +312,37 @@ def test_mixed_stage_qa_examples(tmp_path):
     small = _mixed(tmp_path, tasks={"qa": 1.0}, n_decoder=160, chunk_length=64, n_chunks=4)
     with pytest.raises(ValueError, match="vocab_size >= 256"):  # the tiny config's 128 ids
         build_example(small, src[0], 0, None)
+
+
+def test_qa_facts_planted_inline_after_sentence_ends():
+    """qa_inline: a fact goes inside the running text right after a sentence's end ("end. Fact."), the
+    answer's tokens are the planted ones and its attention targets point at them; a text without sentence
+    ends falls back to facts on their own lines; the option changes nothing when off (older runs)."""
+    import random
+
+    from cepe.training.synthetic_qa import qa_example
+
+    text = " ".join(f"Word{i} goes here{'.!?'[i % 3]}" for i in range(40)).encode()[:256]
+    enc = torch.tensor(list(text)).reshape(4, 64)
+    dec = torch.full((160,), ord("x"))
+    for seed in range(6):
+        new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, inline=True)
+        flat = new_enc.flatten()
+        scored = (labels != -100).nonzero().flatten()
+        answer = bytes(ids[scored].tolist()).decode()
+        body = bytes(flat.tolist()).decode(errors="replace")
+        at = body.find(" " + answer)
+        assert at > 0 and body[at - 1] in ".!?", body  # after a sentence's end, not on its own line
+        assert "\n" not in body
+        pos = (align >= 0).nonzero().flatten()
+        assert torch.equal(flat[align[pos]], ids[pos + 1])
+    plain = torch.full((4, 64), ord("a"))  # no sentence end: its own line
+    new_enc, ids, labels, _ = qa_example(plain, dec, random.Random(0), "d", 259, inline=True)
+    answer = bytes(ids[(labels != -100)].tolist()).decode()
+    assert "\n" + answer + "\n" in bytes(new_enc.flatten().tolist()).decode(errors="replace")
+    off = [qa_example(enc, dec, random.Random(3), "d", 259, inline=False) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*off))
+    assert "\n" in bytes(off[0][0].flatten().tolist()).decode(errors="replace")
 
 
 def test_training_facts_are_not_the_evaluations_templates():

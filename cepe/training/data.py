@@ -256,7 +256,10 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         from .synthetic_qa import qa_example
 
         r = random.Random(int(example_generator(seed, _TASK_TAG, index).initial_seed()))
-        enc, dec, labels, align = qa_example(enc, dec, r, cfg.decoder, tiny, templates=cfg.qa_templates)
+        inline = bool(cfg.qa_inline) and r.random() < cfg.qa_inline  # no draw at 0: older runs unchanged
+        enc, dec, labels, align = qa_example(
+            enc, dec, r, cfg.decoder, tiny, templates=cfg.qa_templates, inline=inline
+        )
     else:  # recall
         cue = int(cfg.recall_cue)
         lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])

@@ -172,6 +172,20 @@ def _chat_parts(decoder: str, tiny_vocab: int | None) -> tuple[list[int], list[i
     return tok.encode(before, add_special_tokens=False), tok.encode(after, add_special_tokens=False)
 
 
+@functools.lru_cache(maxsize=4)
+def _sentence_ends(decoder: str, tiny_vocab: int | None) -> frozenset[int]:
+    """Ids of the tokens whose text ends a sentence (``.``, ``!`` or ``?``, before closing quotes)."""
+    tok = _tokenizer(decoder, tiny_vocab)
+    if isinstance(tok, ByteCodec):
+        return frozenset(ord(c) for c in ".!?")
+    out = set()
+    for i in range(len(tok)):
+        text = tok.decode([i]).rstrip().rstrip("\"'\u201d\u2019)")
+        if text.endswith((".", "!", "?")) and not text.endswith(".."):
+            out.add(i)
+    return frozenset(out)
+
+
 def chat_prefix_length(decoder: str, tiny_vocab: int | None = None) -> int:
     """Tokens of the chat template's opening that start every ``qa`` decoder (0 without a template)."""
     return len(_chat_parts(decoder, tiny_vocab)[0])
@@ -185,8 +199,13 @@ def qa_example(
     tiny_vocab: int | None = None,
     max_facts: int = 4,
     templates: int = NUM_TEMPLATES,
+    inline: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
+
+    Facts stand on lines of their own (``"\\n" + fact + "\\n"``), or with ``inline`` inside the text:
+    ``" " + fact`` right after a token that ends a sentence (``.``, ``!``, ``?``), the fact's own tokens
+    as the answer spells them; a text with no sentence end (code) gets its facts on their own lines.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -204,12 +223,20 @@ def qa_example(
     fact_ids = [tok.encode(f.fact, add_special_tokens=False) for f in facts]  # each planted on its own line
     # plant the facts at sorted random places, then cut the stream back to K·L tokens
     planted = sum(len(ids) + 2 * len(nl) for ids in fact_ids)
-    spots = sorted(r.randrange(0, max(1, m - planted)) for _ in facts)
+    ends = _sentence_ends(decoder, tiny_vocab) if inline else frozenset()
+    room_m = max(1, m - planted)
+    after_end = [i for i in range(1, room_m) if stream[i - 1] in ends] if inline else []
+    if after_end:  # inside the text, after a sentence's end
+        sep_before, sep_after = tok.encode(" ", add_special_tokens=False), []
+        spots = sorted(r.choice(after_end) for _ in facts)
+    else:
+        sep_before, sep_after = nl, nl
+        spots = sorted(r.randrange(0, room_m) for _ in facts)
     out, prev, where = [], 0, {}
     for i, (spot, ids) in enumerate(zip(spots, fact_ids)):
-        out += stream[prev:spot] + nl
+        out += stream[prev:spot] + sep_before
         where[i] = len(out)
-        out += ids + nl
+        out += ids + sep_after
         prev = spot
     out += stream[prev:]
     out = out[:m]

@@ -678,6 +678,51 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     }
 
 
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One RULER result from runs of different methods on the same prompts (``ruler.json`` dicts, as
+    :func:`run` and ``cepe eval`` write them): the rows in run order, the heat maps and the pivot table
+    rebuilt over every method.
+
+    Raises:
+        ValueError: the runs differ in anything but their methods (task settings, model, seed, the
+            prompts' token counts) or share a method.
+    """
+    if not results:
+        raise ValueError("nothing to merge: give at least one ruler.json")
+    first = results[0]
+    same = ("task", "config", "model", "seed", "prompt_tokens")
+    methods: list[str] = []
+    for i, res in enumerate(results):
+        for key in same:
+            if res.get(key) != first.get(key):
+                raise ValueError(
+                    f"run {i + 1} differs from run 1 in {key!r}: only runs of the same task settings, "
+                    "model and seed (hence the same prompts) can share a table; rerun with the same config"
+                )
+        dup = set(methods) & set(res.get("methods", []))
+        if dup:
+            raise ValueError(f"run {i + 1} repeats method(s) {sorted(dup)}: keep one run per method")
+        methods += list(res.get("methods", []))
+    rows = [r for res in results for r in res["rows"]]
+    tasks = list(first["heatmap_rows"])
+    totals = list(first["totals"])
+    options: dict[str, Any] = {}
+    for res in results:
+        options.update(res.get("method_options") or {})
+    return {
+        **first,
+        "rows": rows,
+        "methods": methods,
+        "method_options": options,
+        "heatmaps": heatmap_grids(rows, methods, tasks, totals),
+        "extra_markdown": pivot_table(rows, methods, tasks, totals),
+        "notes": [
+            *first.get("notes", []),
+            f"merged from {len(results)} runs (methods {methods}), same prompts",
+        ],
+    }
+
+
 def heatmap_grids(
     rows: list[dict[str, Any]], methods: Sequence[str], tasks: Sequence[str], totals: Sequence[int]
 ) -> dict[str, list[list[float]]]:
