@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Score a training checkpoint's adapter on the validation probes used to follow a run: the copy probe
 # (held-out passages, natural and shuffled), the validation needle with its answer's teacher-forced NLL
-# (configs/eval/needle_val_nll.yaml: the needle_val layout with the adapter's 64-token chunks) and the
+# (configs/eval/needle_val_nll.yaml: the needle_val layout, sentences packed into 64-token chunks) and the
 # validation perplexity (configs/eval/lm_val.yaml: the retrieval split, never trained on, not the test split).
 # Usage: bash scripts/eval_checkpoint.sh RUN_DIR STEP   (e.g. runs/recipe/long_mixed 300)
 # Results: RUN_DIR/eval/step_NNNNNN/{copy,needle}/. Pause a training run on the same cores first.

@@ -220,7 +220,7 @@ def qa_example(
     stream = enc.reshape(-1).tolist()
     m = len(stream)
     nl = tok.encode("\n", add_special_tokens=False)
-    fact_ids = [tok.encode(f.fact, add_special_tokens=False) for f in facts]  # each planted on its own line
+    fact_ids = [tok.encode(f.fact, add_special_tokens=False) for f in facts]  # as the answer spells them
     # plant the facts at sorted random places, then cut the stream back to K·L tokens
     planted = sum(len(ids) + 2 * len(nl) for ids in fact_ids)
     ends = _sentence_ends(decoder, tiny_vocab) if inline else frozenset()
