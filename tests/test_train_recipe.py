@@ -87,6 +87,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_span",
         "qa_templates",
         "qa_inline",
+        "qa_span",
         "online_teacher",
     ):
         d.pop(key)
@@ -343,6 +344,40 @@ def test_qa_facts_planted_inline_after_sentence_ends():
     off = [qa_example(enc, dec, random.Random(3), "d", 259, inline=False) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*off))
     assert "\n" in bytes(off[0][0].flatten().tolist()).decode(errors="replace")
+
+
+def test_qa_span_facts_copy_the_encoders_own_text():
+    """qa_span: a fact's value is a few tokens of the encoder's own text (never a word from the fact
+    lists), the answer restates the planted fact and its attention targets point at the planted copy;
+    span 0 draws nothing, so older runs are unchanged."""
+    import random
+
+    from cepe.training.synthetic_qa import make_fact, make_span_fact, qa_example
+
+    words = "amber quokka lattice verdant pylon mosaic".split()
+    text = " ".join(words[i % 6] + str(i) for i in range(80)).encode()[:256]
+    enc = torch.tensor(list(text)).reshape(4, 64)
+    dec = torch.full((200,), ord("x"))
+    values = 0
+    for seed in range(8):
+        new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, span=1.0)
+        answer = bytes(ids[labels != -100].tolist()).decode().removesuffix("\n")
+        body = bytes(new_enc.flatten().tolist()).decode(errors="replace")
+        assert answer in body  # planted as the answer spells it
+        value = answer.split('"')[1] if '"' in answer else answer.split(": ", 1)[1].rstrip(".")
+        assert len(value) >= 3 and value in text.decode(), answer
+        values += 1
+        pos = (align >= 0).nonzero().flatten()
+        assert torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
+    assert values == 8
+    fact = make_span_fact(random.Random(0), "three small words")
+    assert (
+        "three small words" in fact.fact and fact.question.endswith("?") and not fact.fact.startswith("The ")
+    )
+    off = qa_example(enc, dec, random.Random(5), "d", 259, span=0.0)
+    r = random.Random(5)
+    facts = [make_fact(r).fact for _ in range(r.randint(1, 4))]  # the draws of a run without qa_span
+    assert bytes(off[1][off[2] != -100].tolist()).decode().removesuffix("\n") in facts
 
 
 def test_training_facts_are_not_the_evaluations_templates():

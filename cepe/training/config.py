@@ -155,6 +155,8 @@ class TrainConfig:
             qa examples draw from (1-12; the first 6 are those the first qa run used).
         qa_inline: mixed stage: the fraction of qa examples whose facts are planted inside the running text,
             right after a sentence's end, as a needle is (the others stand on lines of their own).
+        qa_span: mixed stage: the probability that a planted fact's value is a few tokens of the encoder's
+            own text (a free-form value to copy, as a needle's is) rather than a word from the fact lists.
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -227,6 +229,7 @@ class TrainConfig:
     recall_span: list[int] = field(default_factory=lambda: [8, 32])
     qa_templates: int = 6
     qa_inline: float = 0.0
+    qa_span: float = 0.0
     # CEPED
     teacher_dir: str | None = None
     teacher_decoder: str | None = None
@@ -383,6 +386,7 @@ class TrainConfig:
         _check(self.recall_cue >= 1, f"recall_cue must be >= 1, got {self.recall_cue}")
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
+        _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
         room = min(self.n_decoder, self.n_chunks * self.chunk_length)
         _check(
             self.recall_cue + hi <= room,
@@ -439,8 +443,9 @@ class TrainConfig:
             d.pop("online_teacher", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
-        if not d.get("qa_inline"):
-            d.pop("qa_inline", None)
+        for key in ("qa_inline", "qa_span"):
+            if not d.get(key):
+                d.pop(key, None)
         if "align_coef" not in d:
             d.pop("align_heads", None)
             d.pop("align_layers", None)

@@ -258,7 +258,14 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         r = random.Random(int(example_generator(seed, _TASK_TAG, index).initial_seed()))
         inline = bool(cfg.qa_inline) and r.random() < cfg.qa_inline  # no draw at 0: older runs unchanged
         enc, dec, labels, align = qa_example(
-            enc, dec, r, cfg.decoder, tiny, templates=cfg.qa_templates, inline=inline
+            enc,
+            dec,
+            r,
+            cfg.decoder,
+            tiny,
+            templates=cfg.qa_templates,
+            inline=inline,
+            span=cfg.qa_span,
         )
     else:  # recall
         cue = int(cfg.recall_cue)

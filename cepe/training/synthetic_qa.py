@@ -136,6 +136,50 @@ def _more_facts(kind: int, p: str, r: random.Random) -> Fact:
     return Fact(s, f"Who is the captain of the ship {ship}?")
 
 
+SPAN_TOKENS = (3, 10)
+
+
+def make_span_fact(r: random.Random, value: str) -> Fact:
+    """A fact whose value is ``value``, a span of real text: no word list to choose from, so answering
+    means copying whatever the context holds (as a needle's free-form value asks). None of these
+    templates starts with "The", so none can take the evaluations' "The <attribute> of <person> is"."""
+    p = _person(r)
+    thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}"
+    kind = r.randrange(5)
+    if kind == 0:
+        return Fact(
+            f"{p} wrote on the back of a postcard: {value}.", f"What did {p} write on the back of a postcard?"
+        )
+    if kind == 1:
+        return Fact(
+            f'Carved over the gate of {thing} are the words "{value}".',
+            f"What words are carved over the gate of {thing}?",
+        )
+    if kind == 2:
+        return Fact(
+            f'On the night train {p} kept repeating "{value}".',
+            f"What did {p} keep repeating on the night train?",
+        )
+    if kind == 3:
+        return Fact(f"A telegram to {p} said only: {value}.", f"What did the telegram to {p} say?")
+    return Fact(
+        f'Under the clock of {thing} someone had scratched "{value}".',
+        f"What had someone scratched under the clock of {thing}?",
+    )
+
+
+def span_value(stream: list[int], r: random.Random, tok: Any) -> str | None:
+    """A few tokens of ``stream`` at a random place, as one line of text (None if nothing readable)."""
+    k = r.randint(*SPAN_TOKENS)
+    at = r.randrange(0, max(1, len(stream) - k))
+    for j in range(at, min(at + 8, len(stream) - k)):  # start at a word's start where one is near
+        if tok.decode(stream[j : j + 1]).startswith(" "):
+            at = j
+            break
+    text = " ".join(tok.decode(stream[at : at + k]).replace('"', " ").split()).strip(" .")
+    return text if sum(c.isalnum() for c in text) >= 3 else None
+
+
 class ByteCodec:
     """A tokenizer stand-in for tiny random decoders (ids = UTF-8 bytes); needs a vocabulary of 256."""
 
@@ -143,6 +187,9 @@ class ByteCodec:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
 
 
 @functools.lru_cache(maxsize=4)
@@ -200,12 +247,15 @@ def qa_example(
     max_facts: int = 4,
     templates: int = NUM_TEMPLATES,
     inline: bool = False,
+    span: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
     Facts stand on lines of their own (``"\\n" + fact + "\\n"``), or with ``inline`` inside the text:
     ``" " + fact`` right after a token that ends a sentence (``.``, ``!``, ``?``), the fact's own tokens
     as the answer spells them; a text with no sentence end (code) gets its facts on their own lines.
+    With ``span`` > 0 each fact is, with that probability, one whose value is a few tokens of the
+    encoder's own text (:func:`make_span_fact`) instead of a word from the lists.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -215,9 +265,12 @@ def qa_example(
         ValueError: the decoder is too short for the chat template, question and answer.
     """
     tok = _tokenizer(decoder, tiny_vocab)
-    facts = [make_fact(r, templates) for _ in range(r.randint(1, max_facts))]
-    asked = r.randrange(len(facts))
     stream = enc.reshape(-1).tolist()
+    facts = []
+    for _ in range(r.randint(1, max_facts)):
+        value = span_value(stream, r, tok) if span and r.random() < span else None  # no draw at 0
+        facts.append(make_span_fact(r, value) if value else make_fact(r, templates))
+    asked = r.randrange(len(facts))
     m = len(stream)
     nl = tok.encode("\n", add_special_tokens=False)
     fact_ids = [tok.encode(f.fact, add_special_tokens=False) for f in facts]  # as the answer spells them
