@@ -2,8 +2,10 @@
 
 Loads the trained adapter shipped in ``adapters/`` (or, if none is there, an untrained encoder, and says
 so), then on held-out documents: a long-context perplexity table for CEPE against truncated, full
-context, StreamingLLM and REPLUG; a needle-in-a-haystack grid; and an answer generated from a long
-document that does not fit the decoder window. Results land in ``--out`` as JSON, markdown and PNG.
+context, StreamingLLM and REPLUG; a needle-in-a-haystack grid; the copy probe (a passage in the
+encoder, its first tokens in the decoder: perplexity of the rest); perplexity of fixed targets against
+how much earlier text the model gets; and an answer generated from a long document that does not fit the
+decoder window. Results land in ``--out`` as JSON, markdown and PNG.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ class MainConfig:
             untrained encoder, announced as such).
         out: output directory of ``main.json``, ``lm/`` and ``needle/``.
         quick: fewer lengths and sequences (a smoke run).
-        config_dir: directory with ``lm.yaml`` and ``needle.yaml`` (default: the repository's configs/main).
+        config_dir: directory with ``lm.yaml`` and ``needle.yaml``, and optionally ``copy.yaml`` (the copy
+            probe) and ``fixedppl.yaml`` (fixed-target perplexity against context length) (default: the
+            repository's configs/main).
     """
 
     adapter: str | None = None
@@ -60,7 +64,8 @@ def run_main(
     """Run the main job and write its reports under ``out`` (the arguments: :class:`MainConfig`).
 
     Returns:
-        ``{"lm": result, "needle": result, "generation": {...}, "adapter": ..., "trained": bool}``.
+        ``{"lm": result, "needle": result, "copy": result, "fixedppl": result, "generation": {...},
+        "adapter": ..., "trained": bool}`` (``copy`` and ``fixedppl`` when their configs exist).
     """
     import torch
 
@@ -118,9 +123,32 @@ def run_main(
     print(needle_table(needle))
     print(f"(needle: {time.time() - t0:.0f} s)")
 
+    # does the model read its context? (optional configs, so that a config_dir may hold only lm + needle)
+    extra = {
+        "copy": ({"passages_per_domain": 2}, ["cepe", "truncated", "full"]),
+        "fixedppl": ({"contexts": [0, 1024], "sequences": 2}, METHODS),
+    }
+    for task, (quick_set, methods) in extra.items():
+        path = config_dir / f"{task}.yaml"
+        if not path.exists():
+            continue
+        t0 = time.time()
+        cfg, opts = _load_config(path, quick_set if quick else {})
+        setup.methods = methods
+        setup.method_options = opts
+        setup.reset_methods()
+        res = run_task(task, setup, cfg)
+        res.update(model=str(shown), config=cfg, methods=methods)
+        write_report(res, out / task, x_key=res.get("plot_x"))
+        results[task] = res
+        print(method_table(res, "order" if task == "copy" else None))
+        print(f"({task}: {time.time() - t0:.0f} s)")
+
     results["generation"] = _generation_demo(setup, generate_from_context, fast)
     (out / "main.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"== results in {out}/ (main.json, lm/, needle/)")
+    print(
+        f"== results in {out}/ (main.json, {', '.join(k + '/' for k in ('lm', 'needle', *extra) if k in results)})"
+    )
     return results
 
 
@@ -176,6 +204,19 @@ def lm_table(result: dict[str, Any]) -> str:
         [domain, total, *(f"{v.get(m, float('nan')):.2f}" for m in methods)] for (domain, total), v in order
     )
     return "\n".join(pipe_table(["domain", "total", *methods], rows))
+
+
+def method_table(result: dict[str, Any], second: str | None = None) -> str:
+    """One row per setting (its first key, then ``second``), one column per method: perplexity."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in result["rows"]:
+        s = r["setting"]
+        key = (next(iter(s.values())),) + ((s[second],) if second else ())
+        cells.setdefault(key, {})[r["method"]] = r["value"]
+    first = next(iter(result["rows"][0]["setting"])) if result["rows"] else "setting"
+    methods = [m for m in METHODS if any(m in v for v in cells.values())]
+    rows = ([*k, *(f"{v.get(m, float('nan')):.2f}" for m in methods)] for k, v in cells.items())
+    return "\n".join(pipe_table([first, *([second] if second else []), *methods], rows))
 
 
 def needle_table(result: dict[str, Any]) -> str:

@@ -153,11 +153,28 @@ def test_main_job_end_to_end_on_a_tiny_setup(tmp_path, monkeypatch, capsys):
     (conf / "lm.yaml").write_text(yaml.safe_dump(lm))
     needle = {"haystack": {"name": "toy", "documents": docs}, "totals": [200], "depths": [0.0, 1.0]}
     (conf / "needle.yaml").write_text(yaml.safe_dump(needle))
+    copy = {"sources": [{"name": "toy", "documents": docs}], "passage_tokens": 64, "prefix_tokens": 8}
+    (conf / "copy.yaml").write_text(yaml.safe_dump({**copy, "chunk_length": 32, "passages_per_domain": 1}))
+    fixed = {"contexts": [0, 64], "decoder_window": 96, "eval_tokens": 32, "chunk_length": 32, "sequences": 1}
+    (conf / "fixedppl.yaml").write_text(yaml.safe_dump({"sources": copy["sources"], **fixed}))
     res = job.run_main(adapter=tmp_path / "no-adapter", out=tmp_path / "out", config_dir=conf)
     printed = capsys.readouterr().out
     assert res["trained"] is False and "NOTE: no trained adapter" in printed
     assert job.lm_table(res["lm"]) in printed and job.needle_table(res["needle"]) in printed
-    for f in ("main.json", "lm/lm.json", "lm/lm.md", "needle/needle.json"):
+    assert job.method_table(res["copy"], "order") in printed and job.method_table(res["fixedppl"]) in printed
+    assert {r["setting"]["order"] for r in res["copy"]["rows"]} == {"natural", "shuffled"}
+    curve = {(r["method"], r["setting"]["context"]): r["value"] for r in res["fixedppl"]["rows"]}
+    assert set(curve) == {(m, c) for m in job.METHODS for c in (0, 64)}
+    for c in (0, 64):  # zero o_proj: cepe is the decoder alone, with or without context
+        assert curve[("cepe", c)] == pytest.approx(curve[("truncated", 0)], rel=1e-4)
+    for f in (
+        "main.json",
+        "lm/lm.json",
+        "lm/lm.md",
+        "needle/needle.json",
+        "copy/copy.json",
+        "fixedppl/fixedppl.json",
+    ):
         assert (tmp_path / "out" / f).is_file(), f
     saved = json.loads((tmp_path / "out" / "main.json").read_text())
     assert saved["compute_dtype"] in ("bf16", "fp32") and saved["generation"]["doc"] == "p1"
