@@ -88,6 +88,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_templates",
         "qa_inline",
         "qa_span",
+        "context_drop",
         "online_teacher",
     ):
         d.pop(key)
@@ -344,6 +345,24 @@ def test_qa_facts_planted_inline_after_sentence_ends():
     off = [qa_example(enc, dec, random.Random(3), "d", 259, inline=False) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*off))
     assert "\n" in bytes(off[0][0].flatten().tolist()).decode(errors="replace")
+
+
+def test_context_drop_keeps_the_last_chunks_of_continuation_examples(tmp_path):
+    """context_drop: a continuation example keeps only its last k of K encoder chunks (k from 1 to K
+    over the examples), in the mixed and the plain CEPE stage; at 0 every chunk is kept."""
+    src = window_source(_mixed(tmp_path), 80)
+    for over in ({"tasks": {"lm": 1.0}}, {"tasks": None, "align_coef": 0.0}):
+        cfg = _mixed(tmp_path, chunk_noise=0.0, context_drop=1.0, **over)
+        kept = set()
+        for i in range(80):
+            mask = build_example(cfg, src[i], i, None)["encoder_attention_mask"]
+            per_chunk = mask.all(-1)
+            k = int(per_chunk.sum())
+            assert mask.any(-1).sum() == k and per_chunk[mask.shape[0] - k :].all(), mask
+            kept.add(k)
+        assert kept == set(range(1, cfg.n_chunks + 1)), kept
+        off = _mixed(tmp_path, chunk_noise=0.0, **over)
+        assert all(build_example(off, src[i], i, None)["encoder_attention_mask"].all() for i in range(10))
 
 
 def test_qa_span_facts_copy_the_encoders_own_text():

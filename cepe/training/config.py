@@ -144,6 +144,8 @@ class TrainConfig:
             as K chunks to the encoder (paper 4096 + 16×256).
         chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
             that the student sees what the teacher saw).
+        context_drop: CEPE stage: the probability that a continuation example (``lm``) keeps only its last
+            ``k ~ U(1, K)`` encoder chunks, so that short contexts are trained as well as the full K·L.
         tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d}``, the shares
             of the example kinds of :func:`cepe.training.data.mixed_example` (CEPE continuation, span copy,
             cued recall, questions about facts planted in the context), all in the CEPE layout; None = the
@@ -223,6 +225,7 @@ class TrainConfig:
     n_chunks: int = 16
     chunk_noise: float | None = None
     chunk_noise_whole: float = 0.1
+    context_drop: float = 0.0
     tasks: dict[str, float] | None = None
     copy_shuffle: float = 0.0
     recall_cue: int = 8
@@ -387,6 +390,7 @@ class TrainConfig:
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
+        _check(0.0 <= self.context_drop <= 1.0, f"context_drop must be in [0, 1], got {self.context_drop}")
         room = min(self.n_decoder, self.n_chunks * self.chunk_length)
         _check(
             self.recall_cue + hi <= room,
@@ -443,7 +447,7 @@ class TrainConfig:
             d.pop("online_teacher", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
-        for key in ("qa_inline", "qa_span"):
+        for key in ("qa_inline", "qa_span", "context_drop"):
             if not d.get(key):
                 d.pop(key, None)
         if "align_coef" not in d:

@@ -18,6 +18,7 @@ import torch
 from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
+_DROP_TAG = 31
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -118,6 +119,18 @@ def special_token_ids(cfg: TrainConfig) -> tuple[int, ...]:
     return _special_ids(cfg.decoder, tiny)
 
 
+def context_drop_mask(mask: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
+    """With probability ``p``, keep only the last ``k ~ U(1, K)`` of the ``(K, L)`` mask's chunks (the
+    earlier ones leave the encoder attention mask): the example then has a shorter context, as a short
+    document gives, with the same shapes."""
+    if float(torch.rand((), generator=generator)) >= p:
+        return mask
+    k = int(torch.randint(1, mask.shape[0] + 1, (1,), generator=generator))
+    out = mask.clone()
+    out[: mask.shape[0] - k] = False
+    return out
+
+
 def build_example(
     cfg: TrainConfig,
     window: torch.Tensor,
@@ -177,6 +190,8 @@ def build_example(
         if cfg.chunk_noise > 0:
             g = example_generator(seed, _NOISE_TAG, index)
             mask = chunk_noise_mask(mask, cfg.chunk_noise, cfg.chunk_noise_whole, g)
+        if cfg.context_drop > 0:  # no draw at 0: older runs unchanged
+            mask = context_drop_mask(mask, cfg.context_drop, example_generator(seed, _DROP_TAG, index))
     out = {
         "input_ids": dec,
         "labels": dec.clone(),
@@ -237,6 +252,8 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
             mask = chunk_noise_mask(
                 mask, cfg.chunk_noise, cfg.chunk_noise_whole, example_generator(seed, _NOISE_TAG, index)
             )
+        if cfg.context_drop > 0:
+            mask = context_drop_mask(mask, cfg.context_drop, example_generator(seed, _DROP_TAG, index))
     elif kind == "copy":
         flat = enc.reshape(-1)
         if cfg.copy_shuffle and float(torch.rand((), generator=g)) < cfg.copy_shuffle:
