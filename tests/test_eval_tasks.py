@@ -116,6 +116,8 @@ def test_icl(setup, tmp_path):
     r = run_task("icl", setup, cfg)
     _check(r, tmp_path, "accuracy")
     assert set(r["rows"][0]["variants"]) == {"ll", "ll_norm", "pmi", "pmi_norm"}
+    for row in r["rows"]:  # how often each label was predicted: one prediction per test input
+        assert set(row["predicted"]) == {"arts", "sport", "tech"} and sum(row["predicted"].values()) == 3
 
 
 def test_longdoc(setup, tmp_path):

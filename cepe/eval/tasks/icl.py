@@ -211,7 +211,8 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         reqs = _label_requests(method, prompt, dec, enc, prompt.query_ids(r))
         scores = label_scores(m.score(reqs), domain)
         gold = labels.index(r["label"]) if r["label"] in labels else -1
-        res = {v: float(int(scores[v].argmax()) == gold) for v in SCORING_VARIANTS}
+        res: dict[str, Any] = {v: float(int(scores[v].argmax()) == gold) for v in SCORING_VARIANTS}
+        res["_pred"] = {v: int(scores[v].argmax()) for v in SCORING_VARIANTS}
         return res, sum(x.num_tokens for x in reqs)
 
     # per (method, k'): accuracy % per scoring variant, one entry per seed, and the cost of the last seed
@@ -234,10 +235,14 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                 for v in SCORING_VARIANTS:
                     bucket[v].append(100.0 * sum(x[v] for x in vals) / max(1, len(vals)))
                 bucket.setdefault("_cost", []).append(cost)  # type: ignore[arg-type]
+                preds = bucket.setdefault("_pred", {v: [0] * len(labels) for v in SCORING_VARIANTS})
+                for x in vals:  # how often each label is predicted, over all seeds
+                    for v in SCORING_VARIANTS:
+                        preds[v][x["_pred"][v]] += 1  # type: ignore[index]
     variant = _scoring_variant(cfg.scoring, acc)
     return {
         "task": "icl",
-        "rows": [_row(method, kp, b, variant, cfg) for (method, kp), b in acc.items()],
+        "rows": [_row(method, kp, b, variant, cfg, labels) for (method, kp), b in acc.items()],
         "plot_x": "k_encoder",
         "notes": [
             f"labels: {labels}",
@@ -254,7 +259,11 @@ def _scoring_variant(scoring: str, acc: dict[tuple[str, int], dict[str, list[flo
     return max(SCORING_VARIANTS, key=lambda v: sum(ref[v])) if ref else "ll"
 
 
-def _row(method: str, kp: int, b: dict[str, list[float]], variant: str, cfg: Config) -> dict[str, Any]:
+def _row(
+    method: str, kp: int, b: dict[str, list[float]], variant: str, cfg: Config, labels: list[str]
+) -> dict[str, Any]:
+    """A result row; ``predicted``: how often each label was the prediction (scoring ``variant``, all
+    seeds), which shows a method that copies one label instead of classifying."""
     means = {v: sum(b[v]) / len(b[v]) for v in SCORING_VARIANTS}
     return {
         "method": method,
@@ -263,5 +272,6 @@ def _row(method: str, kp: int, b: dict[str, list[float]], variant: str, cfg: Con
         "value": means[variant],
         "n": len(cfg.seeds),
         "variants": means,
+        "predicted": dict(zip(labels, b["_pred"][variant])),  # type: ignore[call-overload]
         **b["_cost"][-1],  # type: ignore[dict-item]
     }
