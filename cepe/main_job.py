@@ -99,38 +99,22 @@ def run_main(
         "compute_dtype": "bf16" if fast is not None else "fp32",
     }
 
-    t0 = time.time()
-    overrides = {"totals": [1024, 4096], "sequences_per_domain": 1} if quick else {}
-    lm_cfg, lm_opts = _load_config(config_dir / "lm.yaml", overrides)
-    setup.method_options = lm_opts
-    setup.reset_methods()
-    lm = run_task("lm", setup, lm_cfg)
-    lm.update(model=str(shown), config=lm_cfg, methods=METHODS)
-    write_report(lm, out / "lm", x_key="total")
-    results["lm"] = lm
-    print(lm_table(lm))
-    print(f"(lm: {time.time() - t0:.0f} s)")
-
-    t0 = time.time()
-    nd_cfg, nd_opts = _load_config(config_dir / "needle.yaml", {"totals": [1024]} if quick else {})
-    setup.methods = ["cepe", "truncated", "full"]
-    setup.method_options = nd_opts
-    setup.reset_methods()
-    needle = run_task("needle", setup, nd_cfg)
-    needle.update(model=str(shown), config=nd_cfg, methods=setup.methods)
-    write_report(needle, out / "needle", x_key="total")
-    results["needle"] = needle
-    print(needle_table(needle))
-    print(f"(needle: {time.time() - t0:.0f} s)")
-
-    # does the model read its context? (optional configs, so that a config_dir may hold only lm + needle)
-    extra = {
-        "copy": ({"passages_per_domain": 2}, ["cepe", "truncated", "full"]),
-        "fixedppl": ({"contexts": [0, 1024], "sequences": 2}, METHODS),
-    }
-    for task, (quick_set, methods) in extra.items():
+    # (task, methods, overrides under --quick, table); copy and fixedppl (does the model read its context?)
+    # run when their configs exist, so that a config_dir may hold only lm.yaml and needle.yaml
+    parts = [
+        ("lm", METHODS, {"totals": [1024, 4096], "sequences_per_domain": 1}, lm_table),
+        ("needle", ["cepe", "truncated", "full"], {"totals": [1024]}, needle_table),
+        (
+            "copy",
+            ["cepe", "truncated", "full"],
+            {"passages_per_domain": 2},
+            lambda r: method_table(r, "order"),
+        ),
+        ("fixedppl", METHODS, {"contexts": [0, 1024], "sequences": 2}, method_table),
+    ]
+    for task, methods, quick_set, table in parts:
         path = config_dir / f"{task}.yaml"
-        if not path.exists():
+        if task in ("copy", "fixedppl") and not path.exists():
             continue
         t0 = time.time()
         cfg, opts = _load_config(path, quick_set if quick else {})
@@ -141,14 +125,13 @@ def run_main(
         res.update(model=str(shown), config=cfg, methods=methods)
         write_report(res, out / task, x_key=res.get("plot_x"))
         results[task] = res
-        print(method_table(res, "order" if task == "copy" else None))
+        print(table(res))
         print(f"({task}: {time.time() - t0:.0f} s)")
 
     results["generation"] = _generation_demo(setup, generate_from_context, fast)
     (out / "main.json").write_text(json.dumps(results, indent=1, default=str))
-    print(
-        f"== results in {out}/ (main.json, {', '.join(k + '/' for k in ('lm', 'needle', *extra) if k in results)})"
-    )
+    written = ", ".join(f"{task}/" for task, *_ in parts if task in results)
+    print(f"== results in {out}/ (main.json, {written})")
     return results
 
 
