@@ -258,3 +258,20 @@ def test_needle_forced_answer(setup):
         logits = setup.cepe_model.decoder(input_ids=ids).logits[0, -len(target) - 1 : -1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(target)).item()
     assert rows["truncated"]["answer_nll"] == pytest.approx(nll, abs=1e-3)
+
+
+def test_icl_validation_split_never_reads_the_test_part():
+    """split val: queries from a part of the training documents, demonstrations from the rest; the test
+    split's demonstrations stay the whole training part in source order."""
+    from cepe.eval.tasks.icl import Config, _load
+
+    docs = [{"id": f"d{i}", "text": f"document number {i}", "label": "abc"[i % 3]} for i in range(60)]
+    base = {"source": {"documents": docs}, "test_fraction": 0.3, "val_fraction": 0.3}
+    train, test = _load(Config(**base))
+    rest, val = _load(Config(**base, split="val"))
+    key = lambda rows: {r["text"] for r in rows}  # noqa: E731
+    assert val and rest and not key(val) & key(test) and not key(val) & key(rest)
+    assert key(rest) | key(val) == key(train) and len(train) + len(test) == 60
+    assert [r for r in train if r["text"] in key(rest)] == rest
+    with pytest.raises(ValueError, match="split"):
+        _load(Config(**base, split="dev"))

@@ -419,3 +419,97 @@ def test_training_facts_are_not_the_evaluations_templates():
     for f in spans:  # free-form values, even ones with "of" and "is" in them, keep the forms apart
         assert not re.fullmatch(r"The .+ of .+ is .+\.", f.fact), f.fact
         assert f.question != needle.question and f.fact != needle.needle
+
+
+def _icl_families():
+    import numpy as np
+
+    from cepe.training.synthetic_icl import families_from_documents
+
+    docs = [
+        (f"lib/{c}/{i}.py", "lib", np.full(700, ord(c[0])))
+        for c in ("alpha", "beta", "gamma")
+        for i in range(2)
+    ]
+    docs.append(("lib/delta/0.py", "lib", np.full(300, ord("d"))))  # too few tokens: not a class
+    docs.append(("other/one", "other", np.full(50, ord("o"))))
+    return families_from_documents(docs)
+
+
+def test_icl_examples_label_demonstrations_consistently():
+    """icl: demonstrations one per chunk from the first, every snippet of a class labelled with the same
+    word (its own name or an arbitrary one, one per class), only the decoder's complete labels scored, and
+    neither the evaluation's template nor its labels."""
+    import random
+
+    from cepe.data.corpora import BBC_LABELS
+    from cepe.training.synthetic_icl import HEADS, KEYS, LABEL_WORDS, icl_example
+    from cepe.training.synthetic_qa import ByteCodec
+
+    fams = _icl_families()
+    assert [(f.name, sorted(f.classes)) for f in fams] == [("lib-sub", ["alpha", "beta", "gamma"])]
+    assert not {"Article", "Topic"} & set(HEADS + KEYS) and not set(BBC_LABELS) & set(LABEL_WORDS)
+    tok, arbitrary, ks = ByteCodec(), 0, set()
+    for seed in range(30):
+        enc, mask, dec, labels = icl_example(fams, 5, 64, 300, random.Random(seed), tok)
+        assert enc.shape == mask.shape == (5, 64) and dec.shape == labels.shape == (300,)
+        k = int(mask.any(-1).sum())
+        ks.add(k)
+        assert mask[:k].any(-1).all() and not mask[k:].any()
+        for row in mask[:k]:  # each chunk: one demonstration from its start
+            assert row[: int(row.sum())].all()
+        demos = [tok.decode(enc[j][mask[j]].tolist()) for j in range(k)]
+        text = tok.decode(dec.tolist())
+        seen: dict[str, str] = {}
+        for d in demos + [text]:
+            for head in HEADS:
+                d = d.replace(f"{head}: ", "\x00")
+            for part in d.split("\x00")[1:]:
+                if not part.endswith("\n"):  # the decoder's last demonstration, cut at n
+                    continue
+                body, _, rest = part.partition("\n")
+                key, _, label = rest.partition(": ")
+                assert key in KEYS and body and set(body) == {body[0]}, part
+                assert seen.setdefault(body[0], label.strip()) == label.strip(), (seed, part)
+        assert len(set(seen.values())) == len(seen) >= 2
+        arbitrary += any(w in LABEL_WORDS for w in seen.values())
+        scored = tok.decode(dec[labels != -100].tolist()).split()
+        assert scored and all(w in seen.values() for w in scored)
+    assert 5 < arbitrary < 25 and len(ks) >= 4
+
+
+def test_mixed_stage_trains_icl_examples(tmp_path):
+    """icl in a mixed stage: synthetic classes on synthetic data, the CEPE shapes, labels scored, context
+    at 0 for the online teacher, and a few training steps with the teacher's KL."""
+    from cepe.training.data import example_task
+
+    tiny = {**yaml.safe_load(open("configs/train/tiny/cepe.yaml"))["tiny_decoder"], "vocab_size": 256}
+    cfg = _mixed(
+        tmp_path,
+        tiny_decoder=tiny,
+        data={"synthetic": "random"},
+        tasks={"lm": 1, "icl": 3},
+        chunk_length=64,
+        n_chunks=3,
+        n_decoder=96,
+        align_coef=0.0,
+        online_teacher=True,
+        top_k=8,
+        kl_coef=1.0,
+        steps=2,
+        batch_size=2,
+        micro_batch_size=2,
+    )
+    src = window_source(cfg, 256)
+    kinds = set()
+    for i in range(12):
+        ex, kind = build_example(cfg, src[i], i, None), example_task(cfg, i)
+        kinds.add(kind)
+        assert ex["encoder_input_ids"].shape == (3, 64) and ex["input_ids"].shape == (96,)
+        if kind == "icl":
+            assert (ex["labels"] != -100).any() and int(ex["context_at"]) == 0
+            assert ex["encoder_attention_mask"][0].any()
+    assert kinds == {"lm", "icl"}
+    out = train(cfg)
+    rows = read_log(out)
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

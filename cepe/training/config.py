@@ -20,7 +20,7 @@ from cepe.fileio import write_json
 
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
-TASK_KINDS = ("lm", "copy", "recall", "qa")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
+TASK_KINDS = ("lm", "copy", "recall", "qa", "icl")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
 # Fields that change how fast or how safely a run goes but not its losses: left out of the fingerprint.
 RUN_CONTROL_FIELDS = ("reference_path", "save_every_minutes", "snapshot_dir", "profile_steps", "peak_seconds")
 
@@ -146,10 +146,11 @@ class TrainConfig:
             that the student sees what the teacher saw).
         context_drop: CEPE stage: the probability that a continuation example (``lm``) keeps only its last
             ``k ~ U(1, K)`` encoder chunks, so that short contexts are trained as well as the full K·L.
-        tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d}``, the shares
-            of the example kinds of :func:`cepe.training.data.mixed_example` (CEPE continuation, span copy,
-            cued recall, questions about facts planted in the context), all in the CEPE layout; None = the
-            paper's CEPE examples only.
+        tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d, "icl": e}``,
+            the shares of the example kinds of :func:`cepe.training.data.mixed_example` (CEPE continuation,
+            span copy, cued recall, questions about facts planted in the context, in-context classification
+            with demonstrations in the encoder), all in the CEPE layout; None = the paper's CEPE examples
+            only.
         copy_shuffle: mixed stage: the fraction of copy examples whose encoder tokens are permuted.
         recall_cue, recall_span: mixed stage: cue tokens and ``[min, max]`` recalled tokens of a recall
             example.

@@ -18,7 +18,7 @@ import torch
 from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
-_DROP_TAG = 31
+_DROP_TAG, _ICL_TAG = 31, 37
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -229,6 +229,8 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
       cue is not a loss target (it cannot be predicted); the span is.
     - ``qa``: facts planted in the encoder's text, a question about one at the end of the decoder, the
       answer scored (:mod:`cepe.training.synthetic_qa`).
+    - ``icl``: in-context classification, demonstrations one per chunk in the encoder and more in the
+      decoder, the decoder's labels scored (:mod:`cepe.training.synthetic_icl`); the window is not used.
 
     ``task``: the kind's index in ``TASK_KINDS`` (the trainer logs the loss of each kind).
     ``context_at`` (with ``online_teacher``): the decoder position before which the teacher reads the
@@ -284,6 +286,19 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
             inline=inline,
             span=cfg.qa_span,
         )
+    elif kind == "icl":
+        import random
+
+        from .synthetic_icl import corpus_families, icl_example, synthetic_families
+        from .synthetic_qa import _tokenizer
+
+        tok = _tokenizer(cfg.decoder, tiny)
+        if cfg.data.synthetic is not None:
+            fams = synthetic_families(tiny or len(tok), seed)
+        else:
+            fams = corpus_families(str(cfg.data.corpus), cfg.data.split)
+        r = random.Random(int(example_generator(seed, _ICL_TAG, index).initial_seed()))
+        enc, mask, dec, labels = icl_example(fams, enc.shape[0], enc.shape[1], n, r, tok)
     else:  # recall
         cue = int(cfg.recall_cue)
         lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])

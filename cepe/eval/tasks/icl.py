@@ -99,6 +99,9 @@ class Config:
         test_size, seeds.
         scoring: ``auto`` (the variant best for ``truncated``, as in the paper) or one of ll, ll_norm,
             pmi, pmi_norm.
+        split: ``test`` (queries from the test part) or ``val``: queries from a ``val_fraction`` of the
+            training part and demonstrations from the rest of it, never touching the test part (to choose
+            between checkpoints or recipes; bundled source only).
     """
 
     train_path: str | None = None
@@ -116,21 +119,34 @@ class Config:
     test_size: int = 250
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     scoring: str = "auto"
+    split: str = "test"
+    val_fraction: float = 0.15
 
 
 def _load(cfg: Config) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    if cfg.split not in ("test", "val"):
+        raise ValueError(f"split must be 'test' or 'val', got {cfg.split!r}")
     if cfg.train_path and cfg.test_path:
+        if cfg.split == "val":
+            raise ValueError(
+                "split 'val' carves queries from the bundled source's training part; with train_path / "
+                "test_path files, give a validation file as test_path instead"
+            )
         kw = {"text_field": cfg.text_field, "label_field": cfg.label_field, "label_names": cfg.label_names}
         return read_labelled(cfg.train_path, **kw), read_labelled(cfg.test_path, **kw)
     if cfg.train_path or cfg.test_path:
         raise ValueError("give both train_path and test_path, or neither (bundled BBC News)")
     from cepe.data.split import doc_hash
 
-    train, test = [], []
+    train, test, val, rest = [], [], [], []
     for d in iter_source(cfg.source):
         row = {"text": d["text"].strip(), "label": str(d[cfg.label_field])}
-        (test if doc_hash(d["id"], 0) < cfg.test_fraction else train).append(row)
-    return train, test
+        if doc_hash(d["id"], 0) < cfg.test_fraction:
+            test.append(row)
+            continue
+        train.append(row)  # the test split's demonstrations: the whole training part, in source order
+        (val if doc_hash(d["id"], 1) < cfg.val_fraction else rest).append(row)
+    return (rest, val) if cfg.split == "val" else (train, test)
 
 
 @dataclass
