@@ -88,6 +88,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_templates",
         "qa_inline",
         "qa_span",
+        "icl_scored",
         "context_drop",
         "online_teacher",
     ):
@@ -475,6 +476,12 @@ def test_icl_examples_label_demonstrations_consistently():
         arbitrary += any(w in LABEL_WORDS for w in seen.values())
         scored = tok.decode(dec[labels != -100].tolist()).split()
         assert scored and all(w in seen.values() for w in scored)
+        again = icl_example(fams, 5, 64, 300, random.Random(seed), tok, scored=2)
+        assert torch.equal(again[2], dec)  # the same example, fewer labels scored
+        starts = (again[3] != -100).int().diff().eq(1).sum() + int(again[3][0] != -100)
+        assert int(starts) == min(2, len(scored)) and set(again[3][again[3] != -100].tolist()) <= set(
+            labels[labels != -100].tolist()
+        )
     assert 5 < arbitrary < 25 and len(ks) >= 4
 
 

@@ -158,6 +158,9 @@ class TrainConfig:
             qa examples draw from (1-12; the first 6 are those the first qa run used).
         qa_inline: mixed stage: the fraction of qa examples whose facts are planted inside the running text,
             right after a sentence's end, as a needle is (the others stand on lines of their own).
+        icl_scored: mixed stage: score the labels of only the first this many complete demonstrations of an
+            ``icl`` example's decoder (those with few demonstrations before them in the decoder, as the
+            evaluation's query after 2 has); 0 = all.
         qa_span: mixed stage: the probability that a planted fact's value is a few tokens of the encoder's
             own text (a free-form value to copy, as a needle's is) rather than a word from the fact lists.
 
@@ -234,6 +237,7 @@ class TrainConfig:
     qa_templates: int = 6
     qa_inline: float = 0.0
     qa_span: float = 0.0
+    icl_scored: int = 0
     # CEPED
     teacher_dir: str | None = None
     teacher_decoder: str | None = None
@@ -391,6 +395,7 @@ class TrainConfig:
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
+        _check(self.icl_scored >= 0, f"icl_scored must be >= 0 (0 = every label), got {self.icl_scored}")
         _check(0.0 <= self.context_drop <= 1.0, f"context_drop must be in [0, 1], got {self.context_drop}")
         room = min(self.n_decoder, self.n_chunks * self.chunk_length)
         _check(
@@ -448,7 +453,7 @@ class TrainConfig:
             d.pop("online_teacher", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
-        for key in ("qa_inline", "qa_span", "context_drop"):
+        for key in ("qa_inline", "qa_span", "context_drop", "icl_scored"):
             if not d.get(key):
                 d.pop(key, None)
         if "align_coef" not in d:

@@ -298,7 +298,9 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         else:
             fams = corpus_families(str(cfg.data.corpus), cfg.data.split)
         r = random.Random(int(example_generator(seed, _ICL_TAG, index).initial_seed()))
-        enc, mask, dec, labels = icl_example(fams, enc.shape[0], enc.shape[1], n, r, tok)
+        enc, mask, dec, labels = icl_example(
+            fams, enc.shape[0], enc.shape[1], n, r, tok, scored=cfg.icl_scored
+        )
     else:  # recall
         cue = int(cfg.recall_cue)
         lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])

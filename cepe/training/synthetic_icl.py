@@ -17,7 +17,8 @@ classification task made from the training corpus:
 The first ``k ~ U(1, K)`` demonstrations go to the encoder, one per chunk (the rest of a chunk and the
 other chunks are masked); the decoder holds the next ones, cut at n tokens. Only the label tokens of the
 decoder's complete demonstrations are scored: the first of them has only the encoder's demonstrations to
-go by. None of the templates or label words is the ICL evaluation's (``Article: ... Topic: ...``, BBC
+go by (``icl_scored`` keeps only the first few, whose queries have few demonstrations in the decoder
+before them, as the evaluation's has). None of the templates or label words is the ICL evaluation's (``Article: ... Topic: ...``, BBC
 News topics); a test checks it.
 
 Shape legend: K chunks, L chunk length, n decoder tokens.
@@ -151,6 +152,7 @@ def icl_example(
     r: random.Random,
     tok: Any,
     pad_id: int = 0,
+    scored: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One in-context classification example (see the module docstring).
 
@@ -160,6 +162,7 @@ def icl_example(
         r: the example's seeded random source.
         tok: a tokenizer with ``encode(text, add_special_tokens=False)``.
         pad_id: filler of the masked encoder positions.
+        scored: score only the first this many complete demonstrations of the decoder (0 = all).
 
     Returns:
         ``(encoder_input_ids (K, L), encoder_attention_mask (K, L) bool, input_ids (n,), labels (n,))``;
@@ -204,16 +207,16 @@ def icl_example(
         enc_ids[j, : len(ids)] = torch.tensor(ids)
         mask[j, : len(ids)] = True
     dec: list[int] = []
-    scored: list[tuple[int, int]] = []
+    spans: list[tuple[int, int]] = []
     for c in order[k:]:
         ids, a, b = demo(c)
         if len(dec) + b <= n_decoder:
-            scored.append((len(dec) + a, len(dec) + b))
+            spans.append((len(dec) + a, len(dec) + b))
         dec.extend(ids)
         if len(dec) >= n_decoder:
             break
     input_ids = torch.tensor(dec[:n_decoder], dtype=torch.long)
     labels = torch.full((n_decoder,), -100, dtype=torch.long)
-    for a, b in scored:
+    for a, b in spans[: scored or None]:
         labels[a:b] = input_ids[a:b]
     return enc_ids, mask, input_ids, labels
