@@ -290,9 +290,9 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         import random
 
         from .synthetic_icl import corpus_families, icl_example, synthetic_families
-        from .synthetic_qa import _tokenizer
+        from .synthetic_qa import text_tokenizer
 
-        tok = _tokenizer(cfg.decoder, tiny)
+        tok = text_tokenizer(cfg.decoder, tiny)
         if cfg.data.synthetic is not None:
             fams = synthetic_families(tiny or len(tok), seed)
         else:

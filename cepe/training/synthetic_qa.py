@@ -205,6 +205,12 @@ def _tokenizer(decoder: str, tiny_vocab: int | None) -> Any:
     return load_tokenizer(decoder)
 
 
+def text_tokenizer(decoder: str, tiny_vocab: int | None = None) -> Any:
+    """The tokenizer synthetic examples spell their text with: the decoder's, or :class:`ByteCodec` for a
+    tiny random decoder (``tiny_vocab`` >= 256)."""
+    return _tokenizer(decoder, tiny_vocab)
+
+
 @functools.lru_cache(maxsize=4)
 def _chat_parts(decoder: str, tiny_vocab: int | None) -> tuple[list[int], list[int]]:
     """Token ids before and after the user's message in the decoder's chat template (empty without one)."""
