@@ -138,15 +138,16 @@ def _load(cfg: Config) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         raise ValueError("give both train_path and test_path, or neither (bundled BBC News)")
     from cepe.data.split import doc_hash
 
-    train, test, val, rest = [], [], [], []
+    train, test, val = [], [], []
     for d in iter_source(cfg.source):
         row = {"text": d["text"].strip(), "label": str(d[cfg.label_field])}
         if doc_hash(d["id"], 0) < cfg.test_fraction:
             test.append(row)
-            continue
-        train.append(row)  # the test split's demonstrations: the whole training part, in source order
-        (val if doc_hash(d["id"], 1) < cfg.val_fraction else rest).append(row)
-    return (rest, val) if cfg.split == "val" else (train, test)
+        elif cfg.split == "val" and doc_hash(d["id"], 1) < cfg.val_fraction:
+            val.append(row)
+        else:  # demonstrations, in source order
+            train.append(row)
+    return train, (val if cfg.split == "val" else test)
 
 
 @dataclass
