@@ -595,6 +595,20 @@ def load_adapter_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return dequantize_int8_rowwise(tensors)
 
 
+def packed_positions(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where :func:`pack_keys` moves encoder positions: ``positions`` ``(B, T)`` (flat indices into S, -1 for
+    none; each a real position of its example) -> their indices after packing ``mask`` ``(B, S)``.
+
+    Packing keeps real positions in order, so position p goes to the number of real positions before it;
+    when no packing happens (some example has no padding) positions are unchanged.
+    """
+    if int(mask.sum(-1).max()) == mask.shape[1]:
+        return positions
+    before = mask.long().cumsum(-1) - 1  # (B, S)
+    moved = before.gather(1, positions.clamp_min(0))
+    return torch.where(positions >= 0, moved, positions)
+
+
 def pack_keys(
     states: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,6 +89,8 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_inline",
         "qa_span",
         "icl_scored",
+        "icl_arbitrary",
+        "icl_align",
         "context_drop",
         "online_teacher",
     ):
@@ -107,6 +109,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_inline=0.5).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, icl_arbitrary=1.0).fingerprint() != cfg.fingerprint()
 
 
 def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
@@ -452,8 +455,8 @@ def test_icl_examples_label_demonstrations_consistently():
     assert not {"Article", "Topic"} & set(HEADS + KEYS) and not set(BBC_LABELS) & set(LABEL_WORDS)
     tok, arbitrary, ks = ByteCodec(), 0, set()
     for seed in range(30):
-        enc, mask, dec, labels = icl_example(fams, 5, 64, 300, random.Random(seed), tok)
-        assert enc.shape == mask.shape == (5, 64) and dec.shape == labels.shape == (300,)
+        enc, mask, dec, labels, align = icl_example(fams, 5, 64, 300, random.Random(seed), tok)
+        assert enc.shape == mask.shape == (5, 64) and dec.shape == labels.shape == align.shape == (300,)
         k = int(mask.any(-1).sum())
         ks.add(k)
         assert mask[:k].any(-1).all() and not mask[k:].any()
@@ -474,9 +477,31 @@ def test_icl_examples_label_demonstrations_consistently():
                 assert seen.setdefault(body[0], label.strip()) == label.strip(), (seed, part)
         assert len(set(seen.values())) == len(seen) >= 2
         arbitrary += any(w in LABEL_WORDS for w in seen.values())
+
+        # attention targets: before every scored label token whose class has a demonstration in the
+        # encoder, at the same token of the latest such demonstration's label; nowhere else
+        def body_class(ids: list[int]) -> str:
+            t = tok.decode(ids)
+            for head in HEADS:
+                t = t.replace(f"{head}: ", "\x00")
+            return t.split("\x00")[-1][:1]
+
+        bodies = [body_class(enc[j][mask[j]].tolist()) for j in range(k)]
+        at = (align >= 0).nonzero()[:, 0]
+        assert (labels[at + 1] != -100).all() and torch.equal(enc.reshape(-1)[align[at]], dec[at + 1])
+        for t in range(299):
+            if labels[t + 1] == -100:
+                continue
+            cls = body_class(dec[: t + 1].tolist())
+            if cls not in bodies:
+                assert align[t] == -1, (seed, t)
+                continue
+            assert align[t] >= 0 and int(align[t]) // 64 == max(j for j, b in enumerate(bodies) if b == cls)
         scored = tok.decode(dec[labels != -100].tolist()).split()
         assert scored and all(w in seen.values() for w in scored)
         again = icl_example(fams, 5, 64, 300, random.Random(seed), tok, scored=2)
+        named = icl_example(fams, 5, 64, 300, random.Random(seed), tok, arbitrary=1.0)
+        assert all(w in LABEL_WORDS for w in tok.decode(named[2][named[3] != -100].tolist()).split())
         assert torch.equal(again[2], dec)  # the same example, fewer labels scored
         starts = (again[3] != -100).int().diff().eq(1).sum() + int(again[3][0] != -100)
         assert int(starts) == min(2, len(scored)) and set(again[3][again[3] != -100].tolist()) <= set(
@@ -520,3 +545,60 @@ def test_mixed_stage_trains_icl_examples(tmp_path):
     out = train(cfg)
     rows = read_log(out)
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_icl_align_supervises_attention_on_labels(tmp_path):
+    """icl_align: icl examples carry attention targets (the same label token in the encoder) and a run
+    with them logs the attention loss; without align_coef the option is refused."""
+    from cepe.training.data import example_task
+
+    tiny = {**yaml.safe_load(open("configs/train/tiny/cepe.yaml"))["tiny_decoder"], "vocab_size": 256}
+    kw = dict(
+        tiny_decoder=tiny,
+        data={"synthetic": "random"},
+        tasks={"lm": 1, "icl": 3},
+        chunk_length=64,
+        n_chunks=3,
+        n_decoder=96,
+        steps=2,
+        batch_size=2,
+        micro_batch_size=2,
+    )
+    with pytest.raises(ValueError, match="icl_align .* align_coef"):
+        _mixed(tmp_path, align_coef=0.0, icl_align=True, **kw)
+    cfg = _mixed(tmp_path, align_coef=0.5, icl_align=True, icl_arbitrary=1.0, **kw)
+    src = window_source(cfg, 256)
+    targets = 0
+    for i in range(12):
+        ex = build_example(cfg, src[i], i, None)
+        if example_task(cfg, i) != "icl":
+            continue
+        t = (ex["align_targets"] >= 0).nonzero()[:, 0]
+        flat = ex["encoder_input_ids"].reshape(-1)
+        assert torch.equal(flat[ex["align_targets"][t]], ex["input_ids"][t + 1])
+        assert ex["encoder_attention_mask"].reshape(-1)[ex["align_targets"][t]].all()
+        targets += t.numel()
+    assert targets > 0
+    rows = read_log(train(cfg))
+    assert len(rows) == 2 and all("align" in r and r["align"] > 0 for r in rows)
+
+
+def test_packed_positions_follow_pack_keys():
+    """Attention targets given in the unpacked K·L layout point at the same states after key packing."""
+    from cepe.modeling import pack_keys, packed_positions
+
+    g = torch.Generator().manual_seed(0)
+    for b in (1, 3):
+        mask = torch.rand(b, 40, generator=g) < 0.6
+        states = torch.arange(b * 40, dtype=torch.float32).view(b, 40, 1)
+        pos = torch.full((b, 7), -1)
+        for i in range(b):
+            real = mask[i].nonzero()[:, 0]
+            pos[i, :5] = real[torch.randint(0, real.numel(), (5,), generator=g)]
+        packed, _ = pack_keys(states, mask, mask.sum(-1))
+        new = packed_positions(mask, pos)
+        assert (new[:, 5:] == -1).all()
+        assert torch.equal(packed.gather(1, new[:, :5, None]), states.gather(1, pos[:, :5, None]))
+    full = torch.ones(2, 40, dtype=torch.bool)
+    full[1, 3] = False  # no packing when one example has no padding: positions unchanged
+    assert torch.equal(packed_positions(full, pos[:1].repeat(2, 1)), pos[:1].repeat(2, 1))

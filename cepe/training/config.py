@@ -161,6 +161,13 @@ class TrainConfig:
         icl_scored: mixed stage: score the labels of only the first this many complete demonstrations of an
             ``icl`` example's decoder (those with few demonstrations before them in the decoder, as the
             evaluation's query after 2 has); 0 = all.
+        icl_arbitrary: mixed stage: the probability that an ``icl`` example names its classes by arbitrary
+            words drawn anew (so the mapping can only be read from its demonstrations) rather than by their
+            own names.
+        icl_align: mixed stage, with ``align_coef``: supervise attention on the scored labels of ``icl``
+            examples too: the decoder position before each label token is asked to attend to the same token
+            of the label of the latest encoder demonstration of the same class (none where the encoder holds
+            no demonstration of that class).
         qa_span: mixed stage: the probability that a planted fact's value is a few tokens of the encoder's
             own text (a free-form value to copy, as a needle's is) rather than a word from the fact lists.
 
@@ -238,6 +245,8 @@ class TrainConfig:
     qa_inline: float = 0.0
     qa_span: float = 0.0
     icl_scored: int = 0
+    icl_arbitrary: float = 0.5
+    icl_align: bool = False
     # CEPED
     teacher_dir: str | None = None
     teacher_decoder: str | None = None
@@ -396,6 +405,11 @@ class TrainConfig:
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
         _check(self.icl_scored >= 0, f"icl_scored must be >= 0 (0 = every label), got {self.icl_scored}")
+        _check(0.0 <= self.icl_arbitrary <= 1.0, f"icl_arbitrary must be in [0, 1], got {self.icl_arbitrary}")
+        _check(
+            not self.icl_align or self.align_coef > 0,
+            "icl_align supervises attention: it needs align_coef > 0 (set align_coef, or drop icl_align)",
+        )
         _check(0.0 <= self.context_drop <= 1.0, f"context_drop must be in [0, 1], got {self.context_drop}")
         room = min(self.n_decoder, self.n_chunks * self.chunk_length)
         _check(
@@ -456,6 +470,10 @@ class TrainConfig:
         for key in ("qa_inline", "qa_span", "context_drop", "icl_scored"):
             if not d.get(key):
                 d.pop(key, None)
+        if d.get("icl_arbitrary") == 0.5:
+            d.pop("icl_arbitrary")
+        if not d.get("icl_align"):
+            d.pop("icl_align", None)
         if "align_coef" not in d:
             d.pop("align_heads", None)
             d.pop("align_layers", None)

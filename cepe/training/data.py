@@ -231,6 +231,8 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
       answer scored (:mod:`cepe.training.synthetic_qa`).
     - ``icl``: in-context classification, demonstrations one per chunk in the encoder and more in the
       decoder, the decoder's labels scored (:mod:`cepe.training.synthetic_icl`); the window is not used.
+      With ``icl_align`` its label tokens carry attention targets: the same class's latest label in the
+      encoder.
 
     ``task``: the kind's index in ``TASK_KINDS`` (the trainer logs the loss of each kind).
     ``context_at`` (with ``online_teacher``): the decoder position before which the teacher reads the
@@ -298,9 +300,11 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         else:
             fams = corpus_families(str(cfg.data.corpus), cfg.data.split)
         r = random.Random(int(example_generator(seed, _ICL_TAG, index).initial_seed()))
-        enc, mask, dec, labels = icl_example(
-            fams, enc.shape[0], enc.shape[1], n, r, tok, scored=cfg.icl_scored
+        enc, mask, dec, labels, icl_align = icl_example(
+            fams, enc.shape[0], enc.shape[1], n, r, tok, scored=cfg.icl_scored, arbitrary=cfg.icl_arbitrary
         )
+        if cfg.icl_align:
+            align = icl_align
     else:  # recall
         cue = int(cfg.recall_cue)
         lo, hi = int(cfg.recall_span[0]), int(cfg.recall_span[1])

@@ -21,7 +21,7 @@ from cepe.cross_attention import AlignProbe
 from cepe.dtypes import torch_dtype
 from cepe.encoder import EncoderForMaskedLM
 from cepe.fileio import atomic_path, write_json
-from cepe.modeling import CepeForCausalLM
+from cepe.modeling import CepeForCausalLM, packed_positions
 
 from .config import TrainConfig
 from .losses import topk_kl
@@ -210,7 +210,10 @@ class StageModule(nn.Module):
             )
             self._held.enter_context(m.use_context(ctx))
             if "align_targets" in batch and ctx is not None:
-                ctx.align = AlignProbe(batch["align_targets"], self.align_heads, self.align_layers)
+                targets = batch["align_targets"]  # (B, T) flat positions in the unpacked K·L
+                if m.cepe_config.pack_keys:
+                    targets = packed_positions(batch["encoder_attention_mask"].flatten(1), targets)
+                ctx.align = AlignProbe(targets, self.align_heads, self.align_layers)
             if self.stage != "ceped":
                 extra: dict[str, torch.Tensor] = {}
                 distill = "teacher_probs" in batch

@@ -54,7 +54,8 @@ ORIGIN_NAMES = {
 """Own names of the ``origin`` family's classes, by corpus domain (other domains use their domain)."""
 
 ARBITRARY = 0.5
-"""The probability that an example names its classes by arbitrary words instead of their own names."""
+"""The default probability that an example names its classes by arbitrary words instead of their own names
+(``TrainConfig.icl_arbitrary``)."""
 
 MIN_CLASS_TOKENS = 1000
 """A class needs at least this many tokens of documents (enough distinct snippets)."""
@@ -153,7 +154,8 @@ def icl_example(
     tok: Any,
     pad_id: int = 0,
     scored: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    arbitrary: float = ARBITRARY,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One in-context classification example (see the module docstring).
 
     Args:
@@ -163,15 +165,19 @@ def icl_example(
         tok: a tokenizer with ``encode(text, add_special_tokens=False)``.
         pad_id: filler of the masked encoder positions.
         scored: score only the first this many complete demonstrations of the decoder (0 = all).
+        arbitrary: the probability of naming the classes by arbitrary words (one draw either way).
 
     Returns:
-        ``(encoder_input_ids (K, L), encoder_attention_mask (K, L) bool, input_ids (n,), labels (n,))``;
-        labels are -100 except at the label tokens of the decoder's complete demonstrations.
+        ``(encoder_input_ids (K, L), encoder_attention_mask (K, L) bool, input_ids (n,), labels (n,),
+        align_targets (n,))``; labels are -100 except at the label tokens of the decoder's complete
+        demonstrations. ``align_targets[t]`` is, for a decoder position t whose next token is a scored label
+        token, the flat encoder position (chunk · L + offset) of the same token in the latest encoder
+        demonstration of the same class; -1 elsewhere and where the encoder holds none of that class.
     """
     fam = families[r.randrange(len(families))]
     names = sorted(fam.classes)
     chosen = r.sample(names, r.randint(2, min(5, len(names))))
-    if r.random() < ARBITRARY:
+    if r.random() < arbitrary:
         shown = r.sample(LABEL_WORDS, len(chosen))
     else:
         shown = [ORIGIN_NAMES.get(c, c) if fam.name == "origin" else c for c in chosen]
@@ -202,21 +208,26 @@ def icl_example(
     order = _balanced_order(k + n_decoder // min_demo + 2, len(chosen), r)
     enc_ids = torch.full((n_chunks, chunk_length), pad_id, dtype=torch.long)
     mask = torch.zeros((n_chunks, chunk_length), dtype=torch.bool)
+    latest: dict[int, int] = {}  # class -> flat encoder position of its latest demonstration's label
     for j in range(k):
-        ids, _, _ = demo(order[j])
+        ids, a, _ = demo(order[j])
         enc_ids[j, : len(ids)] = torch.tensor(ids)
         mask[j, : len(ids)] = True
+        latest[order[j]] = j * chunk_length + a
     dec: list[int] = []
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     for c in order[k:]:
         ids, a, b = demo(c)
         if len(dec) + b <= n_decoder:
-            spans.append((len(dec) + a, len(dec) + b))
+            spans.append((len(dec) + a, len(dec) + b, c))
         dec.extend(ids)
         if len(dec) >= n_decoder:
             break
     input_ids = torch.tensor(dec[:n_decoder], dtype=torch.long)
     labels = torch.full((n_decoder,), -100, dtype=torch.long)
-    for a, b in spans[: scored or None]:
+    align = torch.full((n_decoder,), -1, dtype=torch.long)
+    for a, b, c in spans[: scored or None]:
         labels[a:b] = input_ids[a:b]
-    return enc_ids, mask, input_ids, labels
+        if c in latest:  # position t predicts token t+1: read it where that class's label stands
+            align[a - 1 : b - 1] = torch.arange(latest[c], latest[c] + b - a)
+    return enc_ids, mask, input_ids, labels, align
