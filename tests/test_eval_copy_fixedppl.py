@@ -113,3 +113,27 @@ def test_reports_are_written(setup, tmp_path):
     result = run_task("fixedppl", setup, cfg)
     paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
     assert paths.get("plot") and open(paths["plot"], "rb").read(4) == b"\x89PNG"
+
+
+def test_fixed_sequences_per_document_do_not_overlap():
+    """per_document: several sequences from one long document, disjoint, in order; 1 keeps the old draws."""
+    from cepe.eval.tasks.fixedppl import fixed_sequences
+
+    docs = [list(range(1000)), list(range(5000, 5300)), list(range(9000, 9050))]
+    one = fixed_sequences(
+        docs, FixedConfig(contexts=[0, 200], decoder_window=50, eval_tokens=10, sequences=8)
+    )
+    assert len(one) == 2 and all(len(s) == 250 for s in one)  # one per long-enough document
+    many = fixed_sequences(
+        docs, FixedConfig(contexts=[0, 200], decoder_window=50, eval_tokens=10, sequences=8, per_document=3)
+    )
+    assert len(many) == 4 and all(len(s) == 250 for s in many)  # 3 from the first, 1 from the second
+    spans = sorted((s[0], s[-1]) for s in many if s[0] < 1000)
+    assert len(spans) == 3 and all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+    assert all(s == list(range(s[0], s[0] + 250)) for s in many)  # contiguous text
+    capped = fixed_sequences(
+        docs, FixedConfig(contexts=[0, 200], decoder_window=50, eval_tokens=10, sequences=2, per_document=3)
+    )
+    assert len(capped) == 2
+    with pytest.raises(ValueError, match="per_document"):
+        FixedConfig(per_document=0)
