@@ -500,6 +500,14 @@ def test_icl_examples_label_demonstrations_consistently():
         scored = tok.decode(dec[labels != -100].tolist()).split()
         assert scored and all(w in seen.values() for w in scored)
         again = icl_example(fams, 5, 64, 300, random.Random(seed), tok, scored=2)
+        info: dict = {}
+        icl_example(fams, 5, 64, 300, random.Random(seed), tok, info=info)  # the same example, described
+        assert info["encoder_classes"][:k] == info["encoder_classes"] and len(info["encoder_classes"]) == k
+        spans = [t for t in range(1, 300) if labels[t] != -100 and labels[t - 1] == -100]
+        assert len(spans) == len(info["scored_classes"])
+        for t, c in zip(spans, info["scored_classes"]):
+            lab = info["label_ids"][c]
+            assert dec[t : t + len(lab)].tolist() == lab
         named = icl_example(fams, 5, 64, 300, random.Random(seed), tok, arbitrary=1.0)
         assert all(w in LABEL_WORDS for w in tok.decode(named[2][named[3] != -100].tolist()).split())
         assert torch.equal(again[2], dec)  # the same example, fewer labels scored

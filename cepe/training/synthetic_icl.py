@@ -155,6 +155,7 @@ def icl_example(
     pad_id: int = 0,
     scored: int = 0,
     arbitrary: float = ARBITRARY,
+    info: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One in-context classification example (see the module docstring).
 
@@ -166,6 +167,8 @@ def icl_example(
         pad_id: filler of the masked encoder positions.
         scored: score only the first this many complete demonstrations of the decoder (0 = all).
         arbitrary: the probability of naming the classes by arbitrary words (one draw either way).
+        info: if given, filled with ``label_ids`` (each class's label tokens), ``encoder_classes`` (the
+            class of each encoder demonstration) and ``scored_classes`` (of each scored decoder label).
 
     Returns:
         ``(encoder_input_ids (K, L), encoder_attention_mask (K, L) bool, input_ids (n,), labels (n,),
@@ -226,6 +229,12 @@ def icl_example(
     input_ids = torch.tensor(dec[:n_decoder], dtype=torch.long)
     labels = torch.full((n_decoder,), -100, dtype=torch.long)
     align = torch.full((n_decoder,), -1, dtype=torch.long)
+    if info is not None:
+        info.update(
+            label_ids=label_ids,
+            encoder_classes=order[:k],
+            scored_classes=[c for _, _, c in spans[: scored or None]],
+        )
     for a, b, c in spans[: scored or None]:
         labels[a:b] = input_ids[a:b]
         if c in latest:  # position t predicts token t+1: read it where that class's label stands

@@ -1,0 +1,137 @@
+"""Does an adapter match a query to the encoder's demonstrations? Synthetic ICL on held-out documents.
+
+Builds ``icl`` training examples (:mod:`cepe.training.synthetic_icl`) from the *test* split of the prepared
+training data (documents never trained on), the classes named by arbitrary words (``--arbitrary 1``: no
+prior can tell them) or by their own names, and scores the first label of each example's decoder, whose
+query has only the encoder's demonstrations to go by. It prints:
+
+- accuracy: the gold label's tokens more likely than every other class's label (summed log-probabilities),
+  with the demonstrations in the encoder (CEPE) and with none (the decoder alone); chance is the mean of
+  1 / classes;
+- where the first ``--heads`` heads of every cross-attention layer look from the position before the
+  label: the geometric mean of their attention probability on the latest same-class demonstration's label
+  token (the ``icl_align`` target) against that on the latest *other*-class demonstration's (a head that
+  matches puts more on the first), and the uniform level 1 / (real keys).
+
+Usage: python scripts/icl_probe.py ADAPTER [--data runs/data/mini] [--examples 48] [--arbitrary 1]
+Writes nothing; pause a training run on the same cores first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import torch
+
+from cepe.cross_attention import AlignProbe
+from cepe.generation import load_model
+from cepe.modeling import packed_positions
+from cepe.training.synthetic_icl import corpus_families, icl_example
+
+
+def label_logprob(model, prefix: torch.Tensor, labels: list[list[int]], enc, mask) -> torch.Tensor:
+    """Summed log-probability ``(C,)`` of each label after ``prefix`` ``(t,)`` (context given or None)."""
+    width = max(len(x) for x in labels)
+    ids = torch.zeros(len(labels), len(prefix) + width, dtype=torch.long)
+    for c, lab in enumerate(labels):
+        ids[c, : len(prefix)] = prefix
+        ids[c, len(prefix) : len(prefix) + len(lab)] = torch.tensor(lab)
+    kw = (
+        {}
+        if enc is None
+        else {
+            "encoder_input_ids": enc.expand(len(labels), -1, -1),
+            "encoder_attention_mask": mask.expand(len(labels), -1, -1),
+        }
+    )
+    logp = model(input_ids=ids, **kw).logits.float().log_softmax(-1)  # (C, t + w, V)
+    out = torch.zeros(len(labels))
+    for c, lab in enumerate(labels):
+        for j, tok in enumerate(lab):
+            out[c] += logp[c, len(prefix) + j - 1, tok]
+    return out
+
+
+def attention_on(model, prefix, enc, mask, position: int, heads: int) -> float:
+    """Geometric-mean attention probability (first ``heads`` heads, every layer) from the last prefix
+    position on flat encoder position ``position``."""
+    targets = torch.full((1, len(prefix)), -1, dtype=torch.long)
+    targets[0, -1] = position
+    if model.cepe_config.pack_keys:
+        targets = packed_positions(mask.reshape(1, -1), targets)
+    ctx = model.prepare_context(enc, mask, cross_attention_cache="states")
+    ctx.align = AlignProbe(targets, heads)
+    with model.use_context(ctx):
+        model.decoder.get_decoder()(input_ids=prefix[None], use_cache=False)
+    return math.exp(-float(torch.stack(ctx.align.losses).mean()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("adapter")
+    p.add_argument("--data", default="runs/data/mini", help="prepared training data (its test split is read)")
+    p.add_argument("--examples", type=int, default=48)
+    p.add_argument(
+        "--arbitrary", type=float, default=1.0, help="share of examples with arbitrary label words"
+    )
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--chunk-length", type=int, default=64)
+    p.add_argument("--decoder", type=int, default=256)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    model, tok, _ = load_model(a.adapter)
+    fams = corpus_families(a.data, "test")
+    n = right = alone_right = 0
+    chance = same = other = uniform = 0.0
+    matched = 0
+    for i in range(a.examples):
+        info: dict = {}
+        r = random.Random(a.seed * 100_003 + i)
+        enc, mask, dec, labels, align = icl_example(
+            fams, a.chunks, a.chunk_length, a.decoder, r, tok, scored=1, arbitrary=a.arbitrary, info=info
+        )
+        first = int((labels != -100).nonzero()[0, 0])
+        prefix, gold = dec[:first], info["scored_classes"][0]
+        enc, mask = enc[None], mask[None]
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            with_ctx = label_logprob(model, prefix, info["label_ids"], enc, mask)
+            alone = label_logprob(model, prefix, info["label_ids"], None, None)
+            right += int(int(with_ctx.argmax()) == gold)
+            alone_right += int(int(alone.argmax()) == gold)
+            chance += 1 / len(info["label_ids"])
+            n += 1
+            classes = info["encoder_classes"]
+            others = [j for j, c in enumerate(classes) if c != gold]
+            if int(align[first - 1]) >= 0 and others:  # the encoder holds both kinds: compare
+                j = others[-1]  # the latest other-class demonstration's label, at its first token
+                body = int(mask[0, j].sum()) - len(info["label_ids"][classes[j]]) - 1
+                row = enc[0, j, : int(mask[0, j].sum())].tolist()
+                at = _label_start(row, info["label_ids"][classes[j]], body)
+                same += math.log(attention_on(model, prefix, enc, mask, int(align[first - 1]), a.heads))
+                other += math.log(attention_on(model, prefix, enc, mask, j * a.chunk_length + at, a.heads))
+                uniform += math.log(1 / int(mask.sum()))
+                matched += 1
+    print(f"{a.adapter}, arbitrary {a.arbitrary:g}, {n} held-out examples")
+    print("| accuracy, demonstrations in the encoder | decoder alone | chance |\n|---|---|---|")
+    print(f"| {100 * right / n:.1f} % | {100 * alone_right / n:.1f} % | {100 * chance / n:.1f} % |")
+    if matched:
+        print(
+            f"\nattention of the first {a.heads} heads from the position before the label ({matched} examples, "
+            f"geometric means): same class's latest label {math.exp(same / matched):.4f}, other class's "
+            f"{math.exp(other / matched):.4f}, uniform {math.exp(uniform / matched):.4f}"
+        )
+
+
+def _label_start(row: list[int], label: list[int], hint: int) -> int:
+    """Offset of ``label``'s first token in a demonstration's tokens ``row`` (the last occurrence)."""
+    for s in range(len(row) - len(label), -1, -1):
+        if row[s : s + len(label)] == label:
+            return s
+    return hint
+
+
+if __name__ == "__main__":
+    main()
