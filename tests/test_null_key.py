@@ -128,3 +128,38 @@ def _tiny(d):
     from cepe.training.models import build_decoder
 
     return build_decoder(load_config({**d, "output_dir": "unused"}))
+
+
+def test_a_stage_switches_an_adapters_encoder_to_bidirectional(tmp_path):
+    """``encoder: {causal: false}`` over an ``init_adapter`` with a causal encoder: the same weights attend
+    both ways within a chunk (Φ changes, the first token of a chunk now sees the rest), and the saved
+    adapter says so."""
+    import yaml
+
+    from cepe.training.config import load_config
+    from cepe.training.models import build_model
+
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(
+        steps=1, progress=False, encoder_init="decoder", encoder={"num_hidden_layers": 1, "causal": True}
+    )
+    from cepe.training.trainer import train
+
+    first = train(load_config({**d, "output_dir": str(tmp_path / "first")}))
+    causal = CepeForCausalLM.from_pretrained(first, decoder=_tiny(d)).eval()
+    assert causal.cepe_config.encoder.causal
+    cfg = load_config(
+        {**d, "output_dir": str(tmp_path / "run"), "init_adapter": str(first), "encoder": {"causal": False}}
+    )
+    model = build_model(cfg).eval()
+    assert not model.cepe_config.encoder.causal
+    enc_ids, enc_mask = random_context(1, 2)
+    with torch.no_grad():
+        a, _ = causal.encode_context(enc_ids, enc_mask)
+        b, _ = model.encode_context(enc_ids, enc_mask)
+    assert not torch.allclose(a[:, 0], b[:, 0])  # the first token now reads the whole chunk
+    model.save_pretrained(tmp_path / "saved")
+    assert not CepeForCausalLM.from_pretrained(
+        tmp_path / "saved", decoder=_tiny(d)
+    ).cepe_config.encoder.causal

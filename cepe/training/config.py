@@ -118,7 +118,8 @@ class TrainConfig:
         tiny_decoder: a dict of ``LlamaConfig`` fields: build a small random decoder in code (tests).
         decoder_dtype: ``"float32"`` or ``"bfloat16"`` weights for the frozen decoder.
         encoder: ``EncoderConfig`` fields (``vocab_size`` / ``mask_token_id`` are filled from the decoder:
-            its vocabulary plus one ``[MASK]`` token).
+            its vocabulary plus one ``[MASK]`` token). With ``init_adapter`` only ``causal`` is read: it
+            switches the adapter's encoder between causal and bidirectional attention within a chunk.
         cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...). With
             ``init_adapter`` they are ignored, except ``null_key: true``, which adds zero "no match" keys
             to an adapter trained without them.

@@ -119,6 +119,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.cepe_config.chunk_length = cfg.stage_chunk_length
         if cfg.cepe.get("null_key") and not model.cepe_config.null_key:
             model.enable_null_key()  # a stage that adds "no match" keys to an adapter trained without
+        if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
+            set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
         vocab = int(decoder.config.vocab_size)
         kw = dict(cfg.cepe)
@@ -148,6 +150,14 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     if cfg.freeze_encoder:
         model.encoder.requires_grad_(False)
     return model
+
+
+def set_encoder_causal(model: CepeForCausalLM, causal: bool) -> None:
+    """Make the context encoder attend causally (or bidirectionally) within each chunk, in its config (so
+    that the saved adapter says so) and in every layer."""
+    model.cepe_config.encoder.causal = causal
+    for layer in model.encoder.layers:
+        layer.self_attn.causal = causal
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
