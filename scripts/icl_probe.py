@@ -84,6 +84,7 @@ def main() -> None:
     a = p.parse_args()
     model, tok, _ = load_model(a.adapter)
     fams = corpus_families(a.data, "test")
+    by_family: dict[str, list[int]] = {}  # family -> [examples, right with the encoder, right alone]
     n = right = alone_right = 0
     chance = same = other = uniform = 0.0
     matched = 0
@@ -99,8 +100,10 @@ def main() -> None:
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
             with_ctx = label_logprob(model, prefix, info["label_ids"], enc, mask)
             alone = label_logprob(model, prefix, info["label_ids"], None, None)
-            right += int(int(with_ctx.argmax()) == gold)
-            alone_right += int(int(alone.argmax()) == gold)
+            hit, alone_hit = int(int(with_ctx.argmax()) == gold), int(int(alone.argmax()) == gold)
+            right, alone_right = right + hit, alone_right + alone_hit
+            fam = by_family.setdefault(info["family"], [0, 0, 0])
+            fam[0], fam[1], fam[2] = fam[0] + 1, fam[1] + hit, fam[2] + alone_hit
             chance += 1 / len(info["label_ids"])
             n += 1
             classes = info["encoder_classes"]
@@ -117,6 +120,8 @@ def main() -> None:
     print(f"{a.adapter}, arbitrary {a.arbitrary:g}, {n} held-out examples")
     print("| accuracy, demonstrations in the encoder | decoder alone | chance |\n|---|---|---|")
     print(f"| {100 * right / n:.1f} % | {100 * alone_right / n:.1f} % | {100 * chance / n:.1f} % |")
+    for name, (k, hit, alone_hit) in sorted(by_family.items()):
+        print(f"| {name} ({k}) | {100 * hit / k:.1f} % | {100 * alone_hit / k:.1f} % | |")
     if matched:
         print(
             f"\nattention of the first {a.heads} heads from the position before the label ({matched} examples, "

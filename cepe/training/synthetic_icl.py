@@ -167,7 +167,7 @@ def icl_example(
         pad_id: filler of the masked encoder positions.
         scored: score only the first this many complete demonstrations of the decoder (0 = all).
         arbitrary: the probability of naming the classes by arbitrary words (one draw either way).
-        info: if given, filled with ``label_ids`` (each class's label tokens), ``encoder_classes`` (the
+        info: if given, filled with ``family`` (its name), ``label_ids`` (each class's label tokens), ``encoder_classes`` (the
             class of each encoder demonstration) and ``scored_classes`` (of each scored decoder label).
 
     Returns:
@@ -231,6 +231,7 @@ def icl_example(
     align = torch.full((n_decoder,), -1, dtype=torch.long)
     if info is not None:
         info.update(
+            family=fam.name,
             label_ids=label_ids,
             encoder_classes=order[:k],
             scored_classes=[c for _, _, c in spans[: scored or None]],
