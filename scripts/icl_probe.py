@@ -31,22 +31,23 @@ from cepe.modeling import packed_positions
 from cepe.training.synthetic_icl import corpus_families, icl_example
 
 
-def label_logprob(model, prefix: torch.Tensor, labels: list[list[int]], enc, mask) -> torch.Tensor:
-    """Summed log-probability ``(C,)`` of each label after ``prefix`` ``(t,)`` (context given or None)."""
+def label_logprob(model, prefix: torch.Tensor, labels: list[list[int]], states, key_mask) -> torch.Tensor:
+    """Summed log-probability ``(C,)`` of each label after ``prefix`` ``(t,)``, reading the encoded context
+    ``states`` ``(1, S, D)`` / ``key_mask`` ``(1, S)`` (None: the decoder alone)."""
     width = max(len(x) for x in labels)
     ids = torch.zeros(len(labels), len(prefix) + width, dtype=torch.long)
     for c, lab in enumerate(labels):
         ids[c, : len(prefix)] = prefix
         ids[c, len(prefix) : len(prefix) + len(lab)] = torch.tensor(lab)
-    kw = (
-        {}
-        if enc is None
-        else {
-            "encoder_input_ids": enc.expand(len(labels), -1, -1),
-            "encoder_attention_mask": mask.expand(len(labels), -1, -1),
-        }
-    )
-    logp = model(input_ids=ids, **kw).logits.float().log_softmax(-1)  # (C, t + w, V)
+    ctx = None
+    if states is not None:  # the chunks were encoded once; every candidate reads the same states
+        c = len(labels)
+        ctx = model.prepare_context(
+            encoder_hidden_states=states.expand(c, -1, -1),
+            encoder_attention_mask=key_mask.expand(c, -1),
+            cross_attention_cache="states",
+        )
+    logp = model(input_ids=ids, cross_context=ctx).logits.float().log_softmax(-1)  # (C, t + w, V)
     out = torch.zeros(len(labels))
     for c, lab in enumerate(labels):
         for j, tok in enumerate(lab):
@@ -54,14 +55,16 @@ def label_logprob(model, prefix: torch.Tensor, labels: list[list[int]], enc, mas
     return out
 
 
-def attention_on(model, prefix, enc, mask, position: int, heads: int) -> float:
+def attention_on(model, prefix, states, key_mask, position: int, heads: int) -> float:
     """Geometric-mean attention probability (first ``heads`` heads, every layer) from the last prefix
-    position on flat encoder position ``position``."""
+    position on flat encoder position ``position`` (of the unpacked ``key_mask`` ``(1, S)``)."""
     targets = torch.full((1, len(prefix)), -1, dtype=torch.long)
     targets[0, -1] = position
     if model.cepe_config.pack_keys:
-        targets = packed_positions(mask.reshape(1, -1), targets)
-    ctx = model.prepare_context(enc, mask, cross_attention_cache="states")
+        targets = packed_positions(key_mask, targets)
+    ctx = model.prepare_context(
+        encoder_hidden_states=states, encoder_attention_mask=key_mask, cross_attention_cache="states"
+    )
     ctx.align = AlignProbe(targets, heads)
     with model.use_context(ctx):
         model.decoder.get_decoder()(input_ids=prefix[None], use_cache=False)
@@ -98,7 +101,8 @@ def main() -> None:
         prefix, gold = dec[:first], info["scored_classes"][0]
         enc, mask = enc[None], mask[None]
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-            with_ctx = label_logprob(model, prefix, info["label_ids"], enc, mask)
+            states, key_mask = model.encode_context(enc, mask)  # (1, S, D), (1, S): once per example
+            with_ctx = label_logprob(model, prefix, info["label_ids"], states, key_mask)
             alone = label_logprob(model, prefix, info["label_ids"], None, None)
             hit, alone_hit = int(int(with_ctx.argmax()) == gold), int(int(alone.argmax()) == gold)
             right, alone_right = right + hit, alone_right + alone_hit
@@ -110,11 +114,14 @@ def main() -> None:
             others = [j for j, c in enumerate(classes) if c != gold]
             if int(align[first - 1]) >= 0 and others:  # the encoder holds both kinds: compare
                 j = others[-1]  # the latest other-class demonstration's label, at its first token
-                body = int(mask[0, j].sum()) - len(info["label_ids"][classes[j]]) - 1
                 row = enc[0, j, : int(mask[0, j].sum())].tolist()
-                at = _label_start(row, info["label_ids"][classes[j]], body)
-                same += math.log(attention_on(model, prefix, enc, mask, int(align[first - 1]), a.heads))
-                other += math.log(attention_on(model, prefix, enc, mask, j * a.chunk_length + at, a.heads))
+                at = _label_start(row, info["label_ids"][classes[j]])
+                same += math.log(
+                    attention_on(model, prefix, states, key_mask, int(align[first - 1]), a.heads)
+                )
+                other += math.log(
+                    attention_on(model, prefix, states, key_mask, j * a.chunk_length + at, a.heads)
+                )
                 uniform += math.log(1 / int(mask.sum()))
                 matched += 1
     print(f"{a.adapter}, arbitrary {a.arbitrary:g}, {n} held-out examples")
@@ -130,12 +137,13 @@ def main() -> None:
         )
 
 
-def _label_start(row: list[int], label: list[int], hint: int) -> int:
-    """Offset of ``label``'s first token in a demonstration's tokens ``row`` (the last occurrence)."""
+def _label_start(row: list[int], label: list[int]) -> int:
+    """Offset of ``label``'s first token in a demonstration's tokens ``row``: its last occurrence (the
+    label follows the text, then only the separator)."""
     for s in range(len(row) - len(label), -1, -1):
         if row[s : s + len(label)] == label:
             return s
-    return hint
+    raise ValueError("a demonstration without its label")
 
 
 if __name__ == "__main__":

@@ -518,28 +518,29 @@ def test_icl_examples_label_demonstrations_consistently():
     assert 5 < arbitrary < 25 and len(ks) >= 4
 
 
-def test_mixed_stage_trains_icl_examples(tmp_path):
-    """icl in a mixed stage: synthetic classes on synthetic data, the CEPE shapes, labels scored, context
-    at 0 for the online teacher, and a few training steps with the teacher's KL."""
-    from cepe.training.data import example_task
-
+def _icl_stage() -> dict:
+    """A tiny mixed stage with icl examples on synthetic data (byte vocabulary, 3 chunks of 64, 96 decoder
+    tokens, 2 steps of 2)."""
     tiny = {**yaml.safe_load(open("configs/train/tiny/cepe.yaml"))["tiny_decoder"], "vocab_size": 256}
-    cfg = _mixed(
-        tmp_path,
+    return dict(
         tiny_decoder=tiny,
         data={"synthetic": "random"},
         tasks={"lm": 1, "icl": 3},
         chunk_length=64,
         n_chunks=3,
         n_decoder=96,
-        align_coef=0.0,
-        online_teacher=True,
-        top_k=8,
-        kl_coef=1.0,
         steps=2,
         batch_size=2,
         micro_batch_size=2,
     )
+
+
+def test_mixed_stage_trains_icl_examples(tmp_path):
+    """icl in a mixed stage: synthetic classes on synthetic data, the CEPE shapes, labels scored, context
+    at 0 for the online teacher, and a few training steps with the teacher's KL."""
+    from cepe.training.data import example_task
+
+    cfg = _mixed(tmp_path, align_coef=0.0, online_teacher=True, top_k=8, kl_coef=1.0, **_icl_stage())
     src = window_source(cfg, 256)
     kinds = set()
     for i in range(12):
@@ -560,18 +561,7 @@ def test_icl_align_supervises_attention_on_labels(tmp_path):
     with them logs the attention loss; without align_coef the option is refused."""
     from cepe.training.data import example_task
 
-    tiny = {**yaml.safe_load(open("configs/train/tiny/cepe.yaml"))["tiny_decoder"], "vocab_size": 256}
-    kw = dict(
-        tiny_decoder=tiny,
-        data={"synthetic": "random"},
-        tasks={"lm": 1, "icl": 3},
-        chunk_length=64,
-        n_chunks=3,
-        n_decoder=96,
-        steps=2,
-        batch_size=2,
-        micro_batch_size=2,
-    )
+    kw = _icl_stage()
     with pytest.raises(ValueError, match="icl_align .* align_coef"):
         _mixed(tmp_path, align_coef=0.0, icl_align=True, **kw)
     cfg = _mixed(tmp_path, align_coef=0.5, icl_align=True, icl_arbitrary=1.0, **kw)
