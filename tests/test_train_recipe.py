@@ -92,6 +92,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "icl_arbitrary",
         "icl_align",
         "context_drop",
+        "chunk_lengths",
         "online_teacher",
     ):
         d.pop(key)
@@ -600,3 +601,49 @@ def test_packed_positions_follow_pack_keys():
     full = torch.ones(2, 40, dtype=torch.bool)
     full[1, 3] = False  # no packing when one example has no padding: positions unchanged
     assert torch.equal(packed_positions(full, pos[:1].repeat(2, 1)), pos[:1].repeat(2, 1))
+
+
+def test_chunk_lengths_regroup_the_encoder_per_micro_batch(tmp_path):
+    """chunk_lengths: the encoder's K·L tokens cut into chunks of another length (same tokens, masks and
+    flat attention targets), the length drawn per micro-batch and seeded by the step (exact resume); a
+    list holding only L changes nothing; other lengths change the losses."""
+    from cepe.training.data import collate, regroup_chunks, step_chunk_length
+
+    cfg = _mixed(tmp_path, chunk_lengths=[4, 16])
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(3)])
+    for length in (4, 16, 32):
+        out = regroup_chunks(batch, length)
+        assert out["encoder_input_ids"].shape == (3, 32 // length, length)
+        assert torch.equal(out["encoder_input_ids"].reshape(3, -1), batch["encoder_input_ids"].reshape(3, -1))
+        assert torch.equal(
+            out["encoder_attention_mask"].reshape(3, -1), batch["encoder_attention_mask"].reshape(3, -1)
+        )
+        assert out["align_targets"] is batch["align_targets"] and out["input_ids"] is batch["input_ids"]
+    with pytest.raises(ValueError, match="do not tile"):
+        regroup_chunks(batch, 5)
+    drawn = [step_chunk_length(cfg, s, m) for s in range(20) for m in range(2)]
+    assert set(drawn) == {4, 16} and drawn == [
+        step_chunk_length(cfg, s, m) for s in range(20) for m in range(2)
+    ]
+    assert step_chunk_length(_mixed(tmp_path), 0, 0) is None
+    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+    for over, msg in (
+        ({"chunk_lengths": [4, 12]}, "divisors of n_chunks"),
+        ({"chunk_lengths": []}, "divisors"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            _mixed(tmp_path, **over)
+    with pytest.raises(ValueError, match="chunk_lengths regroups"):
+        _cfg(tmp_path, chunk_lengths=[4])
+
+    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
+    same = read_log(train(_mixed(tmp_path, steps=3, chunk_lengths=[8], output_dir=str(tmp_path / "same"))))
+    assert [r["loss"] for r in same] == [r["loss"] for r in plain]
+    mixed = _mixed(tmp_path, steps=4, save_every=2, chunk_lengths=[4, 16], output_dir=str(tmp_path / "cut"))
+    log = read_log(train(mixed))
+    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
+    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]

@@ -145,6 +145,10 @@ class TrainConfig:
             as K chunks to the encoder (paper 4096 + 16×256).
         chunk_noise, chunk_noise_whole: encoder noise per chunk (paper 0.3 and 0.1; default off for CEPED so
             that the student sees what the teacher saw).
+        chunk_lengths: CEPE stages: per micro-batch, regroup the encoder's K·L tokens into chunks of a
+            length drawn (seeded by step and micro-batch) from this list, each a divisor of K·L; the same
+            tokens, masks and flat attention targets, cut differently, so that an adapter trained with L
+            also reads the chunk lengths evaluations use (256 in the paper). None = always L.
         context_drop: CEPE stage: the probability that a continuation example (``lm``) keeps only its last
             ``k ~ U(1, K)`` encoder chunks, so that short contexts are trained as well as the full K·L.
         tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d, "icl": e}``,
@@ -238,6 +242,7 @@ class TrainConfig:
     chunk_noise: float | None = None
     chunk_noise_whole: float = 0.1
     context_drop: float = 0.0
+    chunk_lengths: list[int] | None = None
     tasks: dict[str, float] | None = None
     copy_shuffle: float = 0.0
     recall_cue: int = 8
@@ -313,6 +318,17 @@ class TrainConfig:
             )
         if self.tasks is not None:
             self._validate_tasks()
+        if self.chunk_lengths is not None:
+            total = self.n_chunks * self.chunk_length
+            _check(
+                self.stage in ("cepe", "ceped"),
+                f"chunk_lengths regroups the encoder of the cepe and ceped stages, not {self.stage}; remove it",
+            )
+            _check(
+                len(self.chunk_lengths) > 0
+                and all(int(c) > 0 and total % int(c) == 0 for c in self.chunk_lengths),
+                f"chunk_lengths must be divisors of n_chunks × chunk_length = {total}, got {self.chunk_lengths}",
+            )
         if self.warmup_decoder_tokens is not None:
             _check(
                 1 < self.warmup_decoder_tokens <= self.warmup_tokens,
@@ -468,7 +484,7 @@ class TrainConfig:
             d.pop("online_teacher", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
-        for key in ("qa_inline", "qa_span", "context_drop", "icl_scored"):
+        for key in ("qa_inline", "qa_span", "context_drop", "icl_scored", "chunk_lengths"):
             if not d.get(key):
                 d.pop(key, None)
         if d.get("icl_arbitrary") == 0.5:

@@ -18,7 +18,7 @@ import torch
 from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
-_DROP_TAG, _ICL_TAG = 31, 37
+_DROP_TAG, _ICL_TAG, _REGROUP_TAG = 31, 37, 41
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -340,6 +340,29 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
 def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     """Stack examples of equal shapes into a batch (leading B)."""
     return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def step_chunk_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
+    """The chunk length of micro-batch ``micro`` of optimizer step ``step`` (``cfg.chunk_lengths``, seeded
+    by both, so a resumed run regroups as the uninterrupted one did); None without ``chunk_lengths``."""
+    if not cfg.chunk_lengths:
+        return None
+    g = example_generator(cfg.data.seed, _REGROUP_TAG, step * 1_000_003 + micro)
+    return int(cfg.chunk_lengths[int(torch.randint(len(cfg.chunk_lengths), (1,), generator=g))])
+
+
+def regroup_chunks(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """``batch`` with its encoder cut into chunks of ``length`` tokens: ``encoder_input_ids`` and
+    ``encoder_attention_mask`` ``(B, K, L)`` become ``(B, K·L / length, length)``, the same tokens in the
+    same order. Attention targets are flat encoder positions, so they stay valid."""
+    ids = batch["encoder_input_ids"]
+    b, k, n = ids.shape
+    if (k * n) % length:
+        raise ValueError(f"chunks of {length} tokens do not tile the encoder's {k} × {n} tokens")
+    out = dict(batch)
+    for key in ("encoder_input_ids", "encoder_attention_mask"):
+        out[key] = batch[key].reshape(b, k * n // length, length)
+    return out
 
 
 def example_indices(

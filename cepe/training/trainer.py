@@ -30,7 +30,7 @@ from torch import nn
 
 from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkpoint
 from .config import TrainConfig
-from .data import build_example, collate, example_indices, window_source
+from .data import build_example, collate, example_indices, regroup_chunks, step_chunk_length, window_source
 from .models import StageModule, build_model, save_encoder, set_train_mode, trainable_parameters
 from .runctl import (
     DTYPE_NAMES,
@@ -569,6 +569,9 @@ def _step(run: _Run, step: int) -> _StepResult:
         idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, run.rank, run.world)
         batch = {k: v.to(acc.device) for k, v in collate([run.make(i) for i in idx]).items()}
         batch.pop("index")
+        length = step_chunk_length(cfg, step, micro)
+        if length is not None:
+            batch = regroup_chunks(batch, length)
         tokens += _tokens(batch)
         sync = acc.no_sync(module) if micro < run.accum - 1 else contextlib.nullcontext()
         with sync:
