@@ -647,3 +647,24 @@ def test_chunk_lengths_regroup_the_encoder_per_micro_batch(tmp_path):
 
     shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
     assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
+
+
+def test_stop_after_ends_the_process_and_resumes_exactly(tmp_path):
+    """stop_after: the run checkpoints and ends after that step with the schedule of ``steps`` (no
+    artifact yet, status "stopped"); resumed without it, its losses are the uninterrupted run's."""
+    from cepe.training.runctl import read_status
+
+    whole = read_log(train(_cfg(tmp_path, steps=4, output_dir=str(tmp_path / "whole"))))
+    part = _cfg(tmp_path, steps=4, stop_after=2, output_dir=str(tmp_path / "part"))
+    assert part.fingerprint() == _cfg(tmp_path, steps=4).fingerprint()
+    out = train(part)
+    assert [r["step"] for r in read_log(out)] == [1, 2]
+    assert read_status(out)["state"] == "stopped" and read_status(out)["step"] == 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
+    assert not (out / "adapter_model.safetensors").exists()
+    assert [r["step"] for r in read_log(train(part, resume=True))] == [1, 2]  # nothing left before step 2
+    rest = train(_cfg(tmp_path, steps=4, output_dir=str(tmp_path / "part")), resume=True)
+    assert [r["loss"] for r in read_log(rest)] == [r["loss"] for r in whole]
+    assert (rest / "adapter_model.safetensors").exists()
+    with pytest.raises(ValueError, match="stop_after must be"):
+        _cfg(tmp_path, stop_after=0)

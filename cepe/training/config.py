@@ -22,7 +22,14 @@ STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
 TASK_KINDS = ("lm", "copy", "recall", "qa", "icl")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
 # Fields that change how fast or how safely a run goes but not its losses: left out of the fingerprint.
-RUN_CONTROL_FIELDS = ("reference_path", "save_every_minutes", "snapshot_dir", "profile_steps", "peak_seconds")
+RUN_CONTROL_FIELDS = (
+    "reference_path",
+    "save_every_minutes",
+    "snapshot_dir",
+    "profile_steps",
+    "peak_seconds",
+    "stop_after",
+)
 
 
 @dataclass
@@ -212,6 +219,9 @@ class TrainConfig:
             committed); a resumed run with no checkpoint continues the stage from this snapshot.
         profile_steps: write a per-op ``torch.profiler`` table of this many steps to ``profile.txt``.
         peak_seconds: how long the matmul peak is measured at the start (0 = not measured).
+        stop_after: checkpoint and end the process after this step, the schedule still spanning ``steps``
+            (a run spread over sessions, or arms compared at the same step); resume it later with a later
+            ``stop_after`` or none. None = run to ``steps``.
     """
 
     stage: str
@@ -281,6 +291,7 @@ class TrainConfig:
     snapshot_dir: str | None = None
     profile_steps: int = 0
     peak_seconds: float = 0.5
+    stop_after: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -359,6 +370,10 @@ class TrainConfig:
             f"save_every_minutes must be positive (or null), got {self.save_every_minutes}",
         )
         _check(self.profile_steps >= 0, f"profile_steps must be >= 0, got {self.profile_steps}")
+        _check(
+            self.stop_after is None or self.stop_after > 0,
+            f"stop_after must be a positive step (or null), got {self.stop_after}",
+        )
         _check(self.peak_seconds >= 0, f"peak_seconds must be >= 0, got {self.peak_seconds}")
         _check(
             self.batch_size % self.micro_batch_size == 0,

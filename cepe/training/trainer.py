@@ -171,8 +171,9 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
     timed: list[float] = []
     if run.main:
         write_status(run.out, run.status("running" if run.start < cfg.steps else "done", run.start))
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     try:
-        for step in range(run.start, cfg.steps):
+        for step in range(run.start, end):
             if step == prof_from:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -196,7 +197,7 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
                 time.monotonic() - last_save >= 60.0 * cfg.save_every_minutes
             )
             stop_sig, due = run.agree([signals.stop, due])
-            if done % cfg.save_every == 0 or done == cfg.steps or due or stop_sig is not None:
+            if done % cfg.save_every == 0 or done in (cfg.steps, end) or due or stop_sig is not None:
                 run.checkpoint(done)
                 last_save = time.monotonic()
             if stop_sig is not None:
@@ -212,6 +213,15 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
                 _write_profile(run.out, prof, cfg.steps - prof_from, cfg.stage)
         bar.close()
     _print_speed(run, timed)
+    if max(run.start, end) < cfg.steps:  # stop_after: the stage goes on in a later process
+        if run.main:
+            write_status(run.out, run.status("stopped", max(run.start, end)))
+            _print(
+                True,
+                f"{cfg.stage}: stopped after step {max(run.start, end)} of {cfg.steps} (stop_after); "
+                "rerun with --resume and a later stop_after (or none) to go on",
+            )
+        return run.out
     _save_artifact(run)
     return run.out
 
