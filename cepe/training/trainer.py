@@ -301,7 +301,7 @@ class _Run:
             "encoder_tokens_per_s": enc_per_step / step_s if step_s else None,
             "flops_per_step": flops["total"],
             "peak_fraction": flops["total"] / step_s / peak if (step_s and peak) else None,
-            "eta_s": (cfg.steps - done) * step_s if step_s else None,
+            "eta_s": (min(cfg.steps, cfg.stop_after or cfg.steps) - done) * step_s if step_s else None,
             "compute_dtype": self.compute_dtype,
             "output_dir": str(self.out),
         }
