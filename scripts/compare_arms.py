@@ -106,10 +106,10 @@ def main(argv: list[str]) -> int:
     cols = 4
     fig, axes = plt.subplots(-(-len(shown) // cols), cols, figsize=(4 * cols, 3 * -(-len(shown) // cols)))
     for ax, k in zip(axes.flat, shown):
-        for arm in dict.fromkeys(a for a, _, _ in found):
+        for i, arm in enumerate(dict.fromkeys(a for a, _, _ in found)):
             pts = [(table[n]["step"], table[n][k]) for n in names if table[n]["arm"] == arm and k in table[n]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=arm)
+            if pts:  # markers and dashes differ, so that arms with equal values stay visible
+                ax.plot(*zip(*pts), marker="os^D"[i % 4], linestyle=("-", "--")[i % 2], label=arm)
         ax.set_title(k, fontsize=9)
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(shown) :]:
