@@ -32,7 +32,7 @@ def _run_train(args: argparse.Namespace, stage: str) -> int:
     except Stopped as stop:
         print(f"{cfg.output_dir}: {stop}")
         return 128 + stop.signum
-    if cfg.stop_after is None or cfg.stop_after >= cfg.steps:
+    if cfg.stop_step == cfg.steps:
         print(f"wrote {out}")
     return 0
 

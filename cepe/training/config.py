@@ -461,6 +461,11 @@ class TrainConfig:
         return self.n_chunks * self.chunk_length + self.n_decoder
 
     @property
+    def stop_step(self) -> int:
+        """The step this process ends after: ``stop_after`` when it comes before ``steps``."""
+        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
+
+    @property
     def stage_chunk_length(self) -> int:
         """L, encoder tokens per chunk in this stage."""
         return self.warmup_tokens // self.warmup_chunks if self.stage == "warmup" else self.chunk_length

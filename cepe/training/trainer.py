@@ -171,7 +171,7 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
     timed: list[float] = []
     if run.main:
         write_status(run.out, run.status("running" if run.start < cfg.steps else "done", run.start))
-    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    end = cfg.stop_step
     try:
         for step in range(run.start, end):
             if step == prof_from:
@@ -213,12 +213,13 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
                 _write_profile(run.out, prof, cfg.steps - prof_from, cfg.stage)
         bar.close()
     _print_speed(run, timed)
-    if max(run.start, end) < cfg.steps:  # stop_after: the stage goes on in a later process
+    if end < cfg.steps:  # stop_after: the stage goes on in a later process
+        done = max(run.start, end)
         if run.main:
-            write_status(run.out, run.status("stopped", max(run.start, end)))
+            write_status(run.out, run.status("stopped", done))
             _print(
                 True,
-                f"{cfg.stage}: stopped after step {max(run.start, end)} of {cfg.steps} (stop_after); "
+                f"{cfg.stage}: stopped after step {done} of {cfg.steps} (stop_after); "
                 "rerun with --resume and a later stop_after (or none) to go on",
             )
         return run.out
@@ -301,7 +302,7 @@ class _Run:
             "encoder_tokens_per_s": enc_per_step / step_s if step_s else None,
             "flops_per_step": flops["total"],
             "peak_fraction": flops["total"] / step_s / peak if (step_s and peak) else None,
-            "eta_s": (min(cfg.steps, cfg.stop_after or cfg.steps) - done) * step_s if step_s else None,
+            "eta_s": (cfg.stop_step - done) * step_s if step_s else None,
             "compute_dtype": self.compute_dtype,
             "output_dir": str(self.out),
         }
