@@ -121,6 +121,9 @@ class CepeConfig:
             on such tokens instead of always adding a mix of context values (beyond the released code:
             its checkpoint layout has no such parameter). The ``absorbed`` cache then projects keys as
             ``states`` does (same result).
+        context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
+            how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
+            data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
     """
 
     encoder: EncoderConfig
@@ -139,6 +142,7 @@ class CepeConfig:
     share_embeddings: bool = False
     mirror_self_attention: bool = False
     null_key: bool = False
+    context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -170,6 +174,10 @@ class CepeConfig:
                 "score_scaling needs train_context_tokens (encoder tokens per training example)",
             )
         check(self.encoder_micro_batch > 0, "encoder_micro_batch must be positive")
+        check(
+            math.isfinite(self.context_scale) and self.context_scale >= 0,
+            f"context_scale must be a finite number >= 0 (1.0 = as trained), got {self.context_scale!r}",
+        )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,
             "give either cross_attention_layers or num_cross_attn_layers, not both",

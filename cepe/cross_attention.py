@@ -36,6 +36,7 @@ class CrossContext:
         impl: attention kernel, ``"sdpa" | "eager"``.
         q_scale: ``(B, 1, 1, 1)`` score multipliers (long-input scaling), or None.
         has_context: ``(B, 1, 1)`` 1.0 where the example has at least one real key, else 0.0; None = all.
+        out_scale: multiplier on every layer's output (``CepeConfig.context_scale``).
         kv: per-layer cache of projected ``(K, V)`` (mode ``"kv"``).
     """
 
@@ -45,6 +46,7 @@ class CrossContext:
     impl: str = "sdpa"
     q_scale: torch.Tensor | None = None
     has_context: torch.Tensor | None = None
+    out_scale: float = 1.0
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     align: AlignProbe | None = None
 
@@ -72,6 +74,7 @@ class CrossContext:
             self.impl,
             rep(self.q_scale),
             rep(self.has_context),
+            out_scale=self.out_scale,
         )
 
 
@@ -219,6 +222,8 @@ class CrossAttention(nn.Module):
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        if ctx.out_scale != 1.0:
+            out = out * ctx.out_scale
         if ctx.has_context is not None:
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out

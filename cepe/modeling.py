@@ -276,6 +276,7 @@ class CepeForCausalLM(nn.Module):
             impl=self.cepe_config.attn_implementation,
             q_scale=q_scale,
             has_context=has_context,
+            out_scale=float(self.cepe_config.context_scale),
         )
 
     @contextlib.contextmanager

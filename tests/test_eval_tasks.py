@@ -226,7 +226,7 @@ def test_needle_forced_answer(setup):
     for the truncated decoder it equals the decoder's own cross-entropy on the same tokens."""
     import torch
 
-    from cepe.eval.tasks.needle import Config, _request, build_haystack, wrap_prompt
+    from cepe.eval.tasks.needle import Config, build_haystack, needle_request, wrap_prompt
 
     docs = _docs(4, sentences=40)
     cfg = {
@@ -251,7 +251,9 @@ def test_needle_forced_answer(setup):
     needle = setup.encode(c.needle.strip() + " ")
     before, _ = wrap_prompt(setup, False)
     suf = setup.encode(f"\n\n{c.question}\n{c.answer_prefix}")
-    req = _request("truncated", build_haystack(sentences, needle, 200, 0.5), setup.encode(before), suf, c)
+    req = needle_request(
+        "truncated", build_haystack(sentences, needle, 200, 0.5), setup.encode(before), suf, c
+    )
     target = setup.encode(c.forced_answer)
     ids = torch.tensor([req.input_ids + setup.encode(c.forced_prefix) + target])
     with torch.no_grad():
@@ -275,3 +277,48 @@ def test_icl_validation_split_never_reads_the_test_part():
     assert [r for r in train if r["text"] in key(rest)] == rest
     with pytest.raises(ValueError, match="split"):
         _load(Config(**base, split="dev"))
+
+
+def test_eval_context_scale_overrides_the_adapter(tmp_path, monkeypatch):
+    """``cepe eval ... --context-scale`` sets the adapter's multiplier for the run and records it; 0 makes
+    CEPE score exactly what the truncated decoder scores; a negative value is refused."""
+    from conftest import randomize_cross
+
+    import cepe.tiny
+    from cepe.cli import main
+
+    plain_tiny_cepe = cepe.tiny.tiny_cepe
+
+    def reading_tiny_cepe(decoder):  # cross-attention that changes the output (o_proj is zero at init)
+        model = plain_tiny_cepe(decoder)
+        randomize_cross(model)
+        return model
+
+    monkeypatch.setattr(cepe.tiny, "tiny_cepe", reading_tiny_cepe)
+
+    cfg = tmp_path / "lm.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "sources": [{"name": "toy", "documents": _docs(3)}],
+                "totals": [200],
+                "decoder_window": 96,
+                "eval_tokens": 32,
+                "chunk_length": 32,
+                "sequences_per_domain": 1,
+            }
+        )
+    )
+
+    def run(out, *extra):
+        argv = ["eval", "lm", "--model", "tiny", "--config", str(cfg), "--methods", "cepe,truncated"]
+        assert main([*argv, "--out", str(tmp_path / out), "--no-progress", *extra]) == 0
+        res = json.loads((tmp_path / out / "lm.json").read_text())
+        return res, {r["method"]: r["value"] for r in res["rows"]}
+
+    res0, ppl0 = run("zero", "--context-scale", "0")
+    res1, ppl1 = run("plain")
+    assert res0["context_scale"] == 0.0 and "context_scale" not in res1
+    assert ppl0["cepe"] == ppl0["truncated"] == ppl1["truncated"]
+    assert ppl1["cepe"] != ppl0["cepe"]
+    assert main(["eval", "lm", "--model", "tiny", "--config", str(cfg), "--context-scale", "-0.5"]) == 2

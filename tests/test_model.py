@@ -525,3 +525,43 @@ def test_generate_with_static_cache_matches_dynamic(tiny_model, mode):
         )
     assert torch.equal(outs[None].sequences, outs["static"].sequences)
     torch.testing.assert_close(torch.stack(outs["static"].scores), torch.stack(outs[None].scores))
+
+
+def test_context_scale_equals_scaled_o_proj_and_survives_generation():
+    """``context_scale`` s gives what every ``o_proj`` multiplied by s gives (forward and greedy decoding
+    with cached context); 0 gives the decoder; bad values are refused."""
+    from cepe import CepeConfig
+    from cepe.cross_attention import CrossAttention
+
+    dec = tiny_decoder()
+    model = CepeForCausalLM.from_decoder(dec, tiny_cepe_config()).eval()
+    randomize_cross(model)
+    ref = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, CrossAttention):
+                m.o_proj.weight.mul_(1.7)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    kw = {"encoder_input_ids": enc_ids, "encoder_attention_mask": enc_mask}
+    with torch.no_grad():
+        plain = model(ids, **kw).logits
+        model.cepe_config.context_scale = 1.7
+        scaled = model(ids, **kw).logits
+        want = ref(ids, **kw).logits
+        gen = model.generate(ids[:1], max_new_tokens=5, do_sample=False, **{k: v[:1] for k, v in kw.items()})
+        gen_ref = ref.generate(
+            ids[:1], max_new_tokens=5, do_sample=False, **{k: v[:1] for k, v in kw.items()}
+        )
+        model.cepe_config.context_scale = 0.0
+        off = model(ids, **kw).logits
+        dec_logits = dec(ids).logits
+    assert (scaled - want).abs().max().item() <= 1e-5
+    assert (scaled - plain).abs().max().item() > 1e-3
+    assert torch.equal(gen, gen_ref)
+    assert (off - dec_logits).abs().max().item() <= 1e-6
+    with pytest.raises(ValueError, match="context_scale"):
+        CepeConfig(
+            encoder=EncoderConfig(vocab_size=10, hidden_size=8, num_attention_heads=2), context_scale=-1
+        )

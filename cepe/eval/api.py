@@ -151,6 +151,12 @@ def run_eval(
         limit=run.limit,
         progress=run.progress,
     )
+    if run.context_scale is not None:
+        if setup.cepe_model is None:
+            raise ValueError(
+                "context_scale applies to a CEPE model; --model gave none (add cepe to --methods)"
+            )
+        setup.cepe_model.cepe_config.context_scale = float(run.context_scale)
     result = run_task(task, setup, config)
     result.update(
         {
@@ -160,6 +166,7 @@ def run_eval(
             "config": config,
             "seed": run.seed,
             "device": cpu_count_note() if device == "cpu" else device,
+            **({"context_scale": run.context_scale} if run.context_scale is not None else {}),
         }
     )
     return result, write_report(result, run.out, x_key=result.get("plot_x"))

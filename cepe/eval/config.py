@@ -36,6 +36,8 @@ class EvalRunConfig:
         tokenizer: tokenizer directory or hub id (default: the decoder's).
         cepe_init: attach an untrained adapter to a plain decoder (smoke runs only).
         progress: show progress bars.
+        context_scale: override the adapter's ``context_scale`` (the multiplier on its cross-attention
+            outputs; default: the adapter's own, 1.0 unless calibrated).
     """
 
     model: str = "default"
@@ -50,6 +52,7 @@ class EvalRunConfig:
     tokenizer: str | None = None
     cepe_init: bool = False
     progress: bool = True
+    context_scale: float | None = None
 
     def __post_init__(self) -> None:
         self.methods = [m.strip() for item in self.methods for m in str(item).split(",") if m.strip()]
@@ -64,6 +67,8 @@ class EvalRunConfig:
             raise ValueError(f"autocast must be bf16 or fp16, got {self.autocast!r}")
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if self.context_scale is not None and not 0 <= self.context_scale < float("inf"):
+            raise ValueError(f"context_scale must be a finite number >= 0, got {self.context_scale}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"limit must be positive, got {self.limit}")
 

@@ -86,7 +86,7 @@ def build_haystack(
     return out[:pos] + [needle] + out[pos:]
 
 
-def _request(method: str, hay: list[list[int]], pre: list[int], suf: list[int], cfg: Config) -> Request:
+def needle_request(method: str, hay: list[list[int]], pre: list[int], suf: list[int], cfg: Config) -> Request:
     """The prompt ``pre + haystack + suf`` as ``method`` reads it: whole sentences from the end, up to
     ``decoder_window`` tokens, in the decoder, the earlier ones packed into encoder chunks (CEPE, REPLUG),
     dropped (truncated) or also in the decoder (full, StreamingLLM)."""
@@ -132,7 +132,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     for method in setup.methods:
         for depth in cfg.depths:
             for total in cfg.totals:
-                req = _request(method, build_haystack(sentences, needle, total, depth), pre, suf, cfg)
+                req = needle_request(method, build_haystack(sentences, needle, total, depth), pre, suf, cfg)
                 answers: list[str] = []
                 nlls: list[float] = []
                 restore = _scale(setup, cfg) if method == "cepe" else None

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Calibrate how strongly a trained adapter reads its context (CepeConfig.context_scale, a multiplier on
+# every cross-attention output) on validation data only: the validation needle (configs/eval/needle_val.yaml:
+# Austen's test split, its own needle; accuracy and the answer's teacher-forced NLL), the validation
+# perplexity (lm_val.yaml: the retrieval split) and in-context classification on the validation articles
+# (icl_val.yaml). None of the reported evaluations is read.
+# Usage: bash scripts/calibrate_context_scale.sh ADAPTER_DIR OUT_DIR [SCALE ...]   (default 1 1.25 1.5 1.75)
+# Writes OUT_DIR/scale_S/{needle,lm_val,icl_val}/ and OUT_DIR/calibrate.{json,md}. Pause a training run first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+ADAPTER=$1; OUT=$2; shift 2
+SCALES=("$@"); [ ${#SCALES[@]} -gt 0 ] || SCALES=(1 1.25 1.5 1.75)
+for s in "${SCALES[@]}"; do
+  d=$OUT/scale_$s
+  run() { cepe eval "$1" --model "$ADAPTER" --config "$2" --methods cepe --autocast bf16 --context-scale "$s" \
+    --no-progress "${@:4}" --out "$d/$3" > /dev/null; }
+  [ -f "$d/needle/needle.json" ] || run needle configs/eval/needle_val_nll.yaml needle
+  [ -f "$d/lm_val/lm.json" ] || run lm configs/eval/lm_val.yaml lm_val
+  [ "${ICL_VAL:-1}" = 0 ] || [ -f "$d/icl_val/icl.json" ] || run icl configs/eval/icl_val.yaml icl_val --batch-size 1
+  echo "scale $s done"
+done
+python - "$OUT" "$ADAPTER" "${SCALES[@]}" <<'PY'
+import json, os, sys
+out, adapter, scales = sys.argv[1], sys.argv[2], sys.argv[3:]
+rows = []
+for s in scales:
+    d = f"{out}/scale_{s}"
+    needle = json.load(open(f"{d}/needle/needle.json"))["rows"]
+    row = {"context_scale": float(s)}
+    for total in sorted({r["setting"]["total"] for r in needle}):
+        cells = [r for r in needle if r["setting"]["total"] == total]
+        row[f"needle_{total}"] = sum(r["value"] for r in cells) / len(cells)
+        row[f"needle_nll_{total}"] = sum(r["answer_nll"] for r in cells) / len(cells)
+    for r in json.load(open(f"{d}/lm_val/lm.json"))["rows"]:
+        if r["setting"]["domain"] == "avg":
+            row[f"lm_val_{r['setting']['total']}"] = r["value"]
+    if os.path.exists(f"{d}/icl_val/icl.json"):
+        for r in json.load(open(f"{d}/icl_val/icl.json"))["rows"]:
+            row[f"icl_val_2+{r['setting']['k_encoder']}"] = r["value"]
+    rows.append(row)
+keys = list(rows[0])
+with open(f"{out}/calibrate.json", "w") as f:
+    json.dump({"adapter": adapter, "rows": rows}, f, indent=1)
+lines = [f"# context_scale calibration: {adapter}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+lines += ["| " + " | ".join(f"{r.get(k, float('nan')):.3g}" for k in keys) + " |" for r in rows]
+open(f"{out}/calibrate.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
