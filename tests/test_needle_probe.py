@@ -1,0 +1,63 @@
+"""scripts/needle_probe.py: attention mass on a needle, read from every cross-attention layer (tiny model)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "needle_probe.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("needle_probe", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_find_locates_the_needle_and_a_merged_first_token():
+    find = _module().find
+    assert find([5, 1, 2, 3, 9], [1, 2, 3]) == [1, 2, 3]
+    assert find([5, 7, 2, 3, 4, 9], [1, 2, 3, 4]) == [2, 3, 4]  # first token merged with the text before
+    assert find([5, 6, 7], [1, 2, 3]) == []
+
+
+@pytest.mark.parametrize("null_key", [False, True])
+def test_probe_reads_each_layer_softmax_over_the_encoder(null_key):
+    from cepe.eval.tasks.needle import Config
+    from cepe.tiny import tiny_model
+
+    mod = _module()
+    model, tok = tiny_model(chunk_length=32)
+    if null_key:
+        model.enable_null_key()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    docs = [
+        {"text": " ".join(f"{words[(i * j) % 10].capitalize()} {words[j % 10]} {j}." for j in range(60))}
+        for i in range(3)
+    ]
+    cfg = Config(
+        haystack={"documents": docs},
+        totals=[400, 800],
+        depths=[0.0, 0.5],
+        decoder_window=64,
+        chunk_length=32,
+        chat_template=False,
+    )
+    rows = mod.probe(model, tok, cfg, bf16=False, forced="The special magic")
+    assert {(r["total"], r["depth"]) for r in rows} == {(t, d) for t in (400, 800) for d in (0.0, 0.5)}
+    layers = len(model.cross_attention_modules())
+    for r in rows:
+        text = "".join(r["needle_text"])  # the tokens found are the needle's (all but a merged first one)
+        assert text in cfg.needle.strip() + " " and len(text) >= len(cfg.needle) // 2
+        assert r["uniform"] == pytest.approx(r["needle_tokens"] / r["encoder_tokens"])
+        assert len(r["layers"]) == layers
+        for v in r["layers"].values():
+            assert 0.0 <= v["needle"] <= v["best_head"] <= 1.0 + 1e-6
+            rounding = 5e-5 * len(v["by_token"])  # by_token is rounded to 4 decimals
+            assert sum(v["by_token"]) == pytest.approx(v["best_head"], abs=rounding + 1e-6)
+            assert (v["null"] > 0) == null_key
+    lines = mod.summary(rows)
+    assert len(lines) == 2 + 2 and lines[2].startswith("| 400 |")
