@@ -85,6 +85,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "copy_shuffle",
         "recall_cue",
         "recall_span",
+        "recall_foreign",
         "qa_templates",
         "qa_inline",
         "qa_span",
@@ -242,6 +243,49 @@ def test_mixed_stage_layouts(tmp_path):
     assert seen == {"lm", "copy", "recall"}
     only_lm = _mixed(tmp_path, tasks={"lm": 1.0, "copy": 0.0})
     assert {example_task(only_lm, i) for i in range(20)} == {"lm"}
+
+
+def test_recall_foreign_plants_another_window_as_a_needle(tmp_path):
+    """``recall_foreign`` 1: every recall example's cue and span are window ``i + FOREIGN_OFFSET``'s text,
+    planted over the encoder at the recalled place (the rest of the encoder is the window's own), and
+    the decoder recalls them; every other draw (kinds, places, spans) is that of a run without it."""
+    from cepe.training.data import FOREIGN_OFFSET, example_task, needs_foreign
+
+    plain = _mixed(tmp_path)
+    cfg = _mixed(tmp_path, recall_foreign=1.0)
+    src = window_source(cfg, 128)
+    planted = 0
+    for i in range(40):
+        window = src[i]
+        a = build_example(plain, window, i, None)
+        assert needs_foreign(cfg, i) == (example_task(cfg, i) == "recall")
+        if not needs_foreign(cfg, i):
+            b = build_example(cfg, window, i, None)
+            assert all(torch.equal(a[k], b[k]) for k in a)
+            continue
+        with pytest.raises(ValueError, match="foreign window"):
+            build_example(cfg, window, i, None)
+        foreign = src[i + FOREIGN_OFFSET]
+        b = build_example(cfg, window, i, None, foreign=foreign)
+        assert torch.equal(a["labels"] == -100, b["labels"] == -100) and torch.equal(
+            a["align_targets"], b["align_targets"]
+        )
+        at = int((b["labels"] == -100).nonzero()[0])  # the cue's first position
+        start = int(b["align_targets"][at]) - 1  # it reads the copy of token at + 1
+        total = b["input_ids"].numel() - at
+        flat_a, flat_b = a["encoder_input_ids"].flatten(), b["encoder_input_ids"].flatten()
+        seg = flat_b[start : start + total]
+        assert torch.equal(b["input_ids"][at:], seg) and torch.equal(b["input_ids"][:at], a["input_ids"][:at])
+        assert any(torch.equal(seg, foreign[j : j + total]) for j in range(foreign.numel() - total + 1))
+        keep = torch.ones_like(flat_a, dtype=torch.bool)
+        keep[start : start + total] = False
+        assert torch.equal(flat_a[keep], flat_b[keep])
+        planted += 1
+    assert planted > 0
+    with pytest.raises(ValueError, match="recall_foreign"):
+        _mixed(tmp_path, recall_foreign=1.5)
+    assert plain.fingerprint() != cfg.fingerprint()
+    assert plain.fingerprint() == _mixed(tmp_path, recall_foreign=0.0).fingerprint()
 
 
 def test_mixed_stage_validation_and_fingerprint(tmp_path):
@@ -668,3 +712,13 @@ def test_stop_after_ends_the_process_and_resumes_exactly(tmp_path):
     assert (rest / "adapter_model.safetensors").exists()
     with pytest.raises(ValueError, match="stop_after must be"):
         _cfg(tmp_path, stop_after=0)
+
+
+def test_recall_foreign_trains(tmp_path):
+    """The trainer hands recall examples their foreign window: a run with ``recall_foreign`` trains, and
+    its recall losses differ from the same run's without it while its other kinds' match."""
+    plain = read_log(train(_mixed(tmp_path, steps=2, output_dir=str(tmp_path / "plain"))))
+    foreign = read_log(train(_mixed(tmp_path, steps=2, recall_foreign=1.0, output_dir=str(tmp_path / "f"))))
+    first = [(a, b) for a, b in zip(plain, foreign)][0]
+    assert "lm_recall" in first[0] and first[0]["lm_recall"] != first[1]["lm_recall"]
+    assert first[0]["lm_lm"] == first[1]["lm_lm"]

@@ -18,7 +18,9 @@ import torch
 from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
-_DROP_TAG, _ICL_TAG, _REGROUP_TAG = 31, 37, 41
+_DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG = 31, 37, 41, 43
+FOREIGN_OFFSET = 10_000_019
+"""A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
 
 def example_generator(seed: int, tag: int, index: int) -> torch.Generator:
@@ -137,10 +139,13 @@ def build_example(
     index: int,
     mask_token_id: int | None,
     special_ids: tuple[int, ...] | None = None,
+    foreign: torch.Tensor | None = None,
 ) -> dict:
     """The model inputs of global example ``index`` for ``cfg.stage`` from its window ``(T,)``.
 
     ``special_ids``: token ids the MLM stage never masks (default :func:`special_token_ids`).
+    ``foreign``: window ``index + FOREIGN_OFFSET`` of the source, for a mixed stage's ``recall_foreign``
+    (:func:`needs_foreign`); unused otherwise.
 
     Returns:
         mlm: ``{"input_ids": (T,), "labels": (T,)}``;
@@ -151,7 +156,7 @@ def build_example(
 
     seed = cfg.data.seed
     if cfg.tasks is not None and cfg.stage == "cepe":
-        return mixed_example(cfg, torch.as_tensor(window), index)
+        return mixed_example(cfg, torch.as_tensor(window), index, foreign)
     if cfg.data.shuffle:
         g = example_generator(seed, _SHUFFLE_TAG, index)
         frac = float(cfg.data.shuffle)
@@ -214,7 +219,15 @@ def example_task(cfg: TrainConfig, index: int) -> str:
     return names[int(torch.multinomial(weights / weights.sum(), 1, generator=g))]
 
 
-def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
+def needs_foreign(cfg: TrainConfig, index: int) -> bool:
+    """Whether example ``index`` is a recall example that may plant another window's text
+    (``recall_foreign``): the caller then passes window ``index + FOREIGN_OFFSET`` to :func:`build_example`."""
+    return bool(cfg.recall_foreign) and cfg.tasks is not None and example_task(cfg, index) == "recall"
+
+
+def mixed_example(
+    cfg: TrainConfig, window: torch.Tensor, index: int, foreign: torch.Tensor | None = None
+) -> dict:
     """Example ``index`` of the mixed CEPE stage: every kind has the CEPE layout (the window's first K·L
     tokens as K chunks of L in the encoder, n tokens in the decoder), so kinds batch together.
 
@@ -226,7 +239,10 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
     - ``recall``: the decoder continues the window for ``n - c - s`` tokens, then a cue of c tokens copied
       from a seeded place of the encoder, then the s tokens that follow the cue there
       (``recall_cue``, ``recall_span``): it must notice the cue, find it among the chunks and read on. The
-      cue is not a loss target (it cannot be predicted); the span is.
+      cue is not a loss target (it cannot be predicted); the span is. With ``recall_foreign`` that share
+      of recall examples takes cue and span from ``foreign`` (another window, usually another document
+      or domain) and plants them over the encoder's text at that place first, as a needle is planted:
+      text the decoder's own continuation does not predict, so only reading it can.
     - ``qa``: facts planted in the encoder's text, a question about one at the end of the decoder, the
       answer scored (:mod:`cepe.training.synthetic_qa`).
     - ``icl``: in-context classification, demonstrations one per chunk in the encoder and more in the
@@ -312,6 +328,16 @@ def mixed_example(cfg: TrainConfig, window: torch.Tensor, index: int) -> dict:
         total = cue + span
         start = int(torch.randint(0, m - total + 1, (1,), generator=g))
         at = n - total
+        if cfg.recall_foreign:  # its own stream: the other draws stay those of a run without it
+            gf = example_generator(seed, _FOREIGN_TAG, index)
+            if float(torch.rand((), generator=gf)) < cfg.recall_foreign:
+                if foreign is None:
+                    raise ValueError("recall_foreign: pass the foreign window (see needs_foreign)")
+                src = torch.as_tensor(foreign).reshape(-1)
+                at_f = int(torch.randint(0, src.numel() - total + 1, (1,), generator=gf))
+                flat = enc.reshape(-1).clone()
+                flat[start : start + total] = src[at_f : at_f + total]
+                enc = flat.view(enc.shape)
         dec = dec.clone()
         dec[at:] = enc.reshape(-1)[start : start + total]
         labels = dec.clone()

@@ -30,7 +30,16 @@ from torch import nn
 
 from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkpoint
 from .config import TrainConfig
-from .data import build_example, collate, example_indices, regroup_chunks, step_chunk_length, window_source
+from .data import (
+    FOREIGN_OFFSET,
+    build_example,
+    collate,
+    example_indices,
+    needs_foreign,
+    regroup_chunks,
+    step_chunk_length,
+    window_source,
+)
 from .models import StageModule, build_model, save_encoder, set_train_mode, trainable_parameters
 from .runctl import (
     DTYPE_NAMES,
@@ -514,7 +523,8 @@ def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[[int], dict[s
             )
 
     def make(i: int) -> dict[str, torch.Tensor]:
-        ex = build_example(cfg, source[i], i, mask_id)
+        foreign = source[i + FOREIGN_OFFSET] if needs_foreign(cfg, i) else None
+        ex = build_example(cfg, source[i], i, mask_id, foreign=foreign)
         if teacher is not None:
             ex["teacher_probs"], ex["teacher_indices"] = teacher.get(i)
         return ex
