@@ -28,12 +28,11 @@ from cepe.chunking import chunk_ids
 from cepe.cross_attention import CrossAttention
 from cepe.eval.api import task_config
 from cepe.eval.cli import load_eval_config
-from cepe.eval.common import iter_source, split_sentences, wrap_prompt
-from cepe.eval.tasks.needle import Config, build_haystack, needle_request
+from cepe.eval.tasks.needle import Config, build_haystack, needle_request, prompt_parts
 from cepe.generation import load_model
 
 
-class _Setup:  # what wrap_prompt reads
+class _Setup:  # what prompt_parts reads of an EvalSetup
     def __init__(self, tok):
         self.tokenizer = tok
 
@@ -54,15 +53,7 @@ def find(flat: list[int], needle: list[int]) -> list[int]:
 
 def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
     setup = _Setup(tok)
-    sentences: list[list[int]] = []
-    for doc in iter_source(cfg.haystack):
-        sentences += [setup.encode(s) for s in split_sentences(doc["text"])]
-        if sum(map(len, sentences)) > max(cfg.totals) * 1.1:
-            break
-    needle = setup.encode(cfg.needle.strip() + " ")
-    before, after = wrap_prompt(setup, cfg.chat_template)
-    pre = setup.encode(before)
-    suf = setup.encode(f"\n\n{cfg.question}" + (after if before else f"\n{cfg.answer_prefix}"))
+    sentences, needle, pre, suf = prompt_parts(setup, cfg)
     suf = suf + (setup.encode(forced) if forced else [])
     captured: dict[int, torch.Tensor] = {}
 

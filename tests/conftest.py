@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -89,3 +90,12 @@ def random_context(b: int, k: int, length: int = 8, seed: int = 2):
     ids = torch.randint(0, VOCAB, (b, k, length), generator=g)
     mask = torch.ones(b, k, length, dtype=torch.bool)
     return ids, mask
+
+
+def load_script(name: str):
+    """The module of ``scripts/<name>.py`` (scripts are not a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

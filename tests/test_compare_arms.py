@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_arms.py"
+from conftest import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("compare_arms", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compare_arms")
 
 
 def _write(path: Path, rows: list[dict]) -> None:

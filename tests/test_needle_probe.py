@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "needle_probe.py"
+from conftest import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("needle_probe", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("needle_probe")
 
 
 def test_find_locates_the_needle_and_a_merged_first_token():

@@ -105,7 +105,9 @@ def needle_request(method: str, hay: list[list[int]], pre: list[int], suf: list[
     return req
 
 
-def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+def prompt_parts(setup: EvalSetup, cfg: Config) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """``(haystack sentences, needle, prompt opening, question and answer opening)``, tokenised; a
+    prompt is ``opening + haystack with the needle + question`` (:func:`needle_request` splits it)."""
     sentences: list[list[int]] = []
     for doc in iter_source(cfg.haystack):
         sentences += [setup.encode(s) for s in split_sentences(doc["text"])]
@@ -115,6 +117,11 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     before, after = wrap_prompt(setup, cfg.chat_template)
     pre = setup.encode(before)
     suf = setup.encode(f"\n\n{cfg.question}" + (after if before else f"\n{cfg.answer_prefix}"))
+    return sentences, needle, pre, suf
+
+
+def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
+    sentences, needle, pre, suf = prompt_parts(setup, cfg)
     keys = [k.lower() for k in cfg.answer_keywords]
     forced = setup.encode(cfg.forced_answer) if cfg.forced_answer else []
     forced_pre = setup.encode(cfg.forced_prefix) if cfg.forced_answer and cfg.forced_prefix else []
