@@ -8,7 +8,8 @@ prompt: for example the needle's words up to the one that must be copied). It pr
 
 - ``needle``: mass on the needle's tokens (mean over heads), the layer with the most, and the best head's;
 - ``null``: mass on the null key (adapters with ``null_key``);
-- ``uniform``: what a head spreading evenly over the encoder tokens puts on the needle.
+- ``uniform``: what a head spreading evenly over the encoder tokens puts on the needle;
+- ``next``: the decoder's five most likely next tokens there (where the answer is won or lost).
 
 A reader that finds the needle keeps its mass as the haystack grows; one whose needle mass halves from 2K
 to 4K (as the uniform share does) is diluted by the extra keys.
@@ -93,12 +94,13 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
                     continue  # the needle is in the decoder window
                 captured.clear()
                 with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-                    model(
+                    out = model(
                         input_ids=torch.tensor([req.input_ids]),
                         encoder_input_ids=enc,
                         encoder_attention_mask=emask,
                         logits_to_keep=1,
                     )
+                probs, ids = out.logits[0, -1].float().softmax(-1).topk(5)
                 off = 1 if mods[0].null_key is not None else 0
                 idx = torch.tensor(pos) + off
                 layers = {}
@@ -118,6 +120,7 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
                         "needle_tokens": len(pos),
                         "needle_text": [tok.decode([t]) for t in flat[pos[0] : pos[-1] + 1]],
                         "uniform": len(pos) / int(emask.sum()),
+                        "next": [[tok.decode([int(t)]), round(float(q), 4)] for t, q in zip(ids, probs)],
                         "layers": layers,
                     }
                 )
@@ -144,6 +147,10 @@ def summary(rows: list[dict]) -> list[str]:
             f"| {sum(r['uniform'] for r in rs) / len(rs):.4f} | {sum(mean.values()) / len(mean):.4f} "
             f"| L{best}: {mean[best]:.3f} | {max(head.values()):.3f} | {null:.3f} |"
         )
+    lines += ["", "| total | depth | next token: top 5 (probability) |", "|---|---|---|"]
+    for r in rows:
+        top = ", ".join(f"{t!r} {q:.2f}" for t, q in r["next"])
+        lines.append(f"| {r['total']} | {r['depth']} | {top.replace('|', '/')} |")
     return lines
 
 

@@ -9,6 +9,7 @@ CFG=${CFG:-configs/train/recipe/long_align.yaml}
 OUT=runs/recipe/$(basename "$CFG" .yaml)
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
+mkdir -p "$(dirname "$OUT")"
 resume=(); [ -d "$OUT/checkpoints" ] && resume=(--resume)
 STAGE=$(grep -m1 "^stage:" "$CFG" | cut -d" " -f2)
 nohup cepe train --stage "$STAGE" --config "$CFG" --output-dir "$OUT" --no-progress "${resume[@]}" \

@@ -52,5 +52,8 @@ def test_probe_reads_each_layer_softmax_over_the_encoder(null_key):
             rounding = 5e-5 * len(v["by_token"])  # by_token is rounded to 4 decimals
             assert sum(v["by_token"]) == pytest.approx(v["best_head"], abs=rounding + 1e-6)
             assert (v["null"] > 0) == null_key
+        probs = [q for _, q in r["next"]]  # the decoder's top 5 next tokens, most likely first
+        assert len(probs) == 5 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-3
     lines = mod.summary(rows)
-    assert len(lines) == 2 + 2 and lines[2].startswith("| 400 |")
+    assert len(lines) == 2 + 2 + 3 + len(rows) and lines[2].startswith("| 400 |")
+    assert lines[7].startswith(f"| {rows[0]['total']} | {rows[0]['depth']} | {rows[0]['next'][0][0]!r}")

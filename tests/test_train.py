@@ -244,7 +244,7 @@ def test_shipped_configs_load(path):
     cfg = load_config(path)
     if path.parent.name == "recipe":  # named variants of the recipe ablation and its long run
         assert cfg.bf16 is True and cfg.stage == (
-            "warmup" if path.stem.startswith(("copy_", "long_align")) else "cepe"
+            "warmup" if path.stem.startswith(("copy_", "long_align", "fast_warmup")) else "cepe"
         )
         if cfg.stage == "warmup":
             assert cfg.encoder_init in ("decoder", "random") and cfg.data.shuffle > 0
