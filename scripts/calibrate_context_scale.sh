@@ -20,30 +20,4 @@ for s in "${SCALES[@]}"; do
   [ "${ICL_VAL:-1}" = 0 ] || [ -f "$d/icl_val/icl.json" ] || run icl configs/eval/icl_val.yaml icl_val --batch-size 1
   echo "scale $s done"
 done
-python - "$OUT" "$ADAPTER" "${SCALES[@]}" <<'PY'
-import json, os, sys
-out, adapter, scales = sys.argv[1], sys.argv[2], sys.argv[3:]
-rows = []
-for s in scales:
-    d = f"{out}/scale_{s}"
-    needle = json.load(open(f"{d}/needle/needle.json"))["rows"]
-    row = {"context_scale": float(s)}
-    for total in sorted({r["setting"]["total"] for r in needle}):
-        cells = [r for r in needle if r["setting"]["total"] == total]
-        row[f"needle_{total}"] = sum(r["value"] for r in cells) / len(cells)
-        row[f"needle_nll_{total}"] = sum(r["answer_nll"] for r in cells) / len(cells)
-    for r in json.load(open(f"{d}/lm_val/lm.json"))["rows"]:
-        if r["setting"]["domain"] == "avg":
-            row[f"lm_val_{r['setting']['total']}"] = r["value"]
-    if os.path.exists(f"{d}/icl_val/icl.json"):
-        for r in json.load(open(f"{d}/icl_val/icl.json"))["rows"]:
-            row[f"icl_val_2+{r['setting']['k_encoder']}"] = r["value"]
-    rows.append(row)
-keys = list(rows[0])
-with open(f"{out}/calibrate.json", "w") as f:
-    json.dump({"adapter": adapter, "rows": rows}, f, indent=1)
-lines = [f"# context_scale calibration: {adapter}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-lines += ["| " + " | ".join(f"{r.get(k, float('nan')):.3g}" for k in keys) + " |" for r in rows]
-open(f"{out}/calibrate.md", "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+python scripts/sweep_table.py "$OUT" "$ADAPTER" context_scale scale calibrate "context_scale calibration" "${SCALES[@]}"

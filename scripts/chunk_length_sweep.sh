@@ -15,25 +15,4 @@ for n in "${LENGTHS[@]}"; do
     --set "chunk_length=$n" --methods cepe --autocast bf16 --no-progress --out "$d" > /dev/null
   echo "chunk length $n done"
 done
-python - "$OUT" "$ADAPTER" "${LENGTHS[@]}" <<'PY'
-import json, sys
-out, adapter, lengths = sys.argv[1], sys.argv[2], sys.argv[3:]
-rows = []
-for n in lengths:
-    needle = json.load(open(f"{out}/chunk_{n}/needle/needle.json"))["rows"]
-    row = {"chunk_length": int(n)}
-    for total in sorted({r["setting"]["total"] for r in needle}):
-        cells = [r for r in needle if r["setting"]["total"] == total]
-        row[f"needle_{total}"] = sum(r["value"] for r in cells) / len(cells)
-        row[f"needle_nll_{total}"] = sum(r["answer_nll"] for r in cells) / len(cells)
-    rows.append(row)
-with open(f"{out}/chunk_length.json", "w") as f:
-    json.dump({"adapter": adapter, "config": "configs/eval/needle_val_nll.yaml", "rows": rows}, f, indent=1)
-keys = list(rows[0])
-lines = [f"# Validation needle by chunk length: {adapter}", "", "| " + " | ".join(keys) + " |",
-         "|" + "---|" * len(keys)]
-lines += ["| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |"
-          for r in rows]
-open(f"{out}/chunk_length.md", "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+python scripts/sweep_table.py "$OUT" "$ADAPTER" chunk_length chunk chunk_length "Validation needle by chunk length" "${LENGTHS[@]}"
