@@ -384,6 +384,30 @@ def test_pause_resume_and_stop_by_signal(tmp_path):
     assert _losses(out) == _losses(straight)
 
 
+def test_signal_sent_while_the_models_load_is_kept_for_the_first_step(tmp_path, monkeypatch):
+    """A stop (or pause) sent during set-up is handled at the first step boundary: the handlers are in
+    place before the models load, where SIGUSR1's default action would have ended the process."""
+    import cepe.training.trainer as trainer
+    from cepe.training.checkpoint import checkpoint_dirs
+    from cepe.training.runctl import Stopped
+
+    real, seen = trainer._setup, []
+
+    def setup_then_signal(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGUSR1))
+        if seen[-1] not in (signal.SIG_DFL, signal.SIG_IGN, None):  # installed: safe to send
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_setup", setup_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as info:
+        train(_cfg("cepe", tmp_path / "s", init_adapter="null", bf16="false", steps=10, save_every=5))
+    assert seen and seen[0] not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    assert info.value.step == 1 and checkpoint_dirs(tmp_path / "s")[-1][0] == 1
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
+
+
 def test_status_of_a_run_without_status_file(tmp_path, capsys):
     """Runs of the trainer before status.json existed: the status comes from the config and the log."""
     from cepe.training.cli import show_status

@@ -164,7 +164,14 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
     """
     from tqdm.auto import tqdm
 
-    run = _setup(cfg, resume, allow_dtype_change)
+    # handlers first: a pause or stop sent while the models load is kept for the first step boundary
+    # (SIGUSR1's default action would end the process)
+    signals = Signals().install()
+    try:
+        run = _setup(cfg, resume, allow_dtype_change)
+    except BaseException:
+        signals.restore()
+        raise
     bar = tqdm(
         total=cfg.steps,
         initial=run.start,
@@ -172,7 +179,6 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
         unit="step",
         disable=not (cfg.progress and run.main),
     )
-    signals = Signals().install()
     prof = None
     prof_from = min(run.start + 1, cfg.steps - 1) if cfg.profile_steps else -1
     run.t_start = time.perf_counter()
