@@ -424,3 +424,30 @@ def test_status_of_a_run_without_status_file(tmp_path, capsys):
     assert st["loss_recent"] == pytest.approx(4.75)
     assert show_status([str(tmp_path / "old")]) == 0
     assert "ETA 0m12s" in capsys.readouterr().out
+
+
+def test_status_says_running_as_soon_as_a_paused_run_resumes(tmp_path):
+    """After SIGUSR2 the status file says ``running`` at once, not only when the next step ends (a
+    step can take minutes, and a status still saying ``paused`` looks like a resume that did not take)."""
+    import threading
+    from types import SimpleNamespace
+
+    from cepe.training.runctl import Signals
+    from cepe.training.trainer import _after_step
+
+    class Run(SimpleNamespace):
+        def status(self, state, done):
+            return {"state": state, "step": done}
+
+    run = Run(main=True, out=tmp_path, cfg=SimpleNamespace(steps=10, stage="cepe"))
+    signals = Signals()
+    signals.paused = True
+    spent: list[float] = []
+    t = threading.Thread(target=lambda: spent.append(_after_step(run, signals, 3)))
+    t.start()
+    _wait(lambda: (read_status(tmp_path) or {}).get("state") == "paused", timeout=10)
+    signals._on_resume(signal.SIGUSR2, None)
+    t.join(timeout=10)
+    assert not t.is_alive() and spent and spent[0] > 0
+    st = read_status(tmp_path)
+    assert (st["state"], st["step"]) == ("running", 3)

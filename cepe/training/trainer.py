@@ -638,7 +638,11 @@ def _after_step(run: _Run, signals: Signals, done: int) -> float:
         write_status(run.out, run.status("paused", done))
         _print(True, f"{run.cfg.stage}: paused after step {done} (SIGUSR2 resumes)")
 
-    return signals.wait_while_paused(on_pause)
+    paused = signals.wait_while_paused(on_pause)
+    if paused > 0 and signals.stop is None:  # resumed: say so now, not after the next step
+        write_status(run.out, run.status("running", done))
+        _print(True, f"{run.cfg.stage}: resumed after {paused:.0f} s paused")
+    return paused
 
 
 # ---------------------------------------------------------------------------------------------- save
