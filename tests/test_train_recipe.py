@@ -86,6 +86,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_cue",
         "recall_span",
         "recall_foreign",
+        "recall_drop",
         "qa_templates",
         "qa_inline",
         "qa_span",
@@ -286,6 +287,39 @@ def test_recall_foreign_plants_another_window_as_a_needle(tmp_path):
         _mixed(tmp_path, recall_foreign=1.5)
     assert plain.fingerprint() != cfg.fingerprint()
     assert plain.fingerprint() == _mixed(tmp_path, recall_foreign=0.0).fingerprint()
+
+
+def test_recall_drop_shortens_the_context_and_keeps_the_cue(tmp_path):
+    """``recall_drop`` 1: every recall example drops a prefix of whole chunks (drawn at or before the
+    cue's chunk, so sometimes none), never the chunks that hold the cue and its span; tokens, labels and
+    attention targets are those of a run without it, and other kinds are untouched."""
+    from cepe.training.data import example_task
+
+    plain = _mixed(tmp_path)
+    cfg = _mixed(tmp_path, recall_drop=1.0)
+    src = window_source(cfg, 128)
+    kept = []
+    for i in range(60):
+        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
+        for k in ("input_ids", "labels", "encoder_input_ids", "align_targets"):
+            assert torch.equal(a[k], b[k])
+        if example_task(cfg, i) != "recall":
+            assert torch.equal(a["encoder_attention_mask"], b["encoder_attention_mask"])
+            continue
+        mask = b["encoder_attention_mask"]
+        per_chunk = mask.all(dim=1)
+        assert torch.equal(per_chunk, mask.any(dim=1))  # whole chunks only
+        d = int((~per_chunk).sum())
+        assert not per_chunk[:d].any() and per_chunk[d:].all()  # a prefix
+        at = int((b["labels"] == -100).nonzero()[0])
+        start = int(b["align_targets"][at]) - 1  # the cue's flat encoder position
+        assert d <= start // mask.shape[1]  # the cue's chunk is kept
+        kept.append(mask.shape[0] - d)
+    assert len(set(kept)) > 1 and min(kept) < cfg.n_chunks
+    with pytest.raises(ValueError, match="recall_drop"):
+        _mixed(tmp_path, recall_drop=-0.1)
+    assert plain.fingerprint() != cfg.fingerprint()
+    assert plain.fingerprint() == _mixed(tmp_path, recall_drop=0.0).fingerprint()
 
 
 def test_mixed_stage_validation_and_fingerprint(tmp_path):

@@ -18,7 +18,7 @@ import torch
 from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
-_DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG = 31, 37, 41, 43
+_DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG = 31, 37, 41, 43, 47
 FOREIGN_OFFSET = 10_000_019
 """A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
@@ -225,6 +225,19 @@ def needs_foreign(cfg: TrainConfig, index: int) -> bool:
     return bool(cfg.recall_foreign) and cfg.tasks is not None and example_task(cfg, index) == "recall"
 
 
+def recall_drop_mask(mask: torch.Tensor, start: int, p: float, generator: torch.Generator) -> torch.Tensor:
+    """With probability ``p``, drop the first ``d ~ U(0, c)`` of the ``(K, L)`` mask's chunks, ``c`` the
+    chunk holding flat encoder position ``start`` (a recall example's cue): the cue stays in the context,
+    which then holds ``K - d`` chunks, so that recall is trained at every context length up to K·L and
+    not only at the full one (an evaluation's 2K haystack has fewer chunks than a training example's 8K)."""
+    if float(torch.rand((), generator=generator)) >= p:
+        return mask
+    d = int(torch.randint(0, start // mask.shape[1] + 1, (1,), generator=generator))
+    out = mask.clone()
+    out[:d] = False
+    return out
+
+
 def mixed_example(
     cfg: TrainConfig, window: torch.Tensor, index: int, foreign: torch.Tensor | None = None
 ) -> dict:
@@ -338,6 +351,10 @@ def mixed_example(
                 flat = enc.reshape(-1).clone()
                 flat[start : start + total] = src[at_f : at_f + total]
                 enc = flat.view(enc.shape)
+        if cfg.recall_drop:  # its own stream, as recall_foreign's
+            mask = recall_drop_mask(
+                mask, start, cfg.recall_drop, example_generator(seed, _RECALL_DROP_TAG, index)
+            )
         dec = dec.clone()
         dec[at:] = enc.reshape(-1)[start : start + total]
         labels = dec.clone()
