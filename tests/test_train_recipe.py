@@ -87,6 +87,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_span",
         "recall_foreign",
         "recall_drop",
+        "recall_detour",
         "qa_templates",
         "qa_inline",
         "qa_span",
@@ -320,6 +321,49 @@ def test_recall_drop_shortens_the_context_and_keeps_the_cue(tmp_path):
         _mixed(tmp_path, recall_drop=-0.1)
     assert plain.fingerprint() != cfg.fingerprint()
     assert plain.fingerprint() == _mixed(tmp_path, recall_drop=0.0).fingerprint()
+
+
+def test_recall_detour_puts_own_tokens_between_cue_and_span(tmp_path):
+    """``recall_detour`` 1: a recall example's cue is followed by 1-3 unscored tokens of the decoder's own
+    earlier text, then by the span from where the cue ended in the encoder (its end cut so the decoder
+    keeps its length); attention targets point each span token's predictor at its encoder copy. Other
+    kinds and the encoder are those of a run without it."""
+    from cepe.training.data import example_task
+
+    plain = _mixed(tmp_path)
+    cfg = _mixed(tmp_path, recall_detour=1.0)
+    src = window_source(cfg, 128)
+    detours = set()
+    for i in range(60):
+        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
+        assert torch.equal(a["encoder_input_ids"], b["encoder_input_ids"])
+        if example_task(cfg, i) != "recall":
+            assert all(torch.equal(a[k], b[k]) for k in a)
+            continue
+        flat, dec, lab, al = b["encoder_input_ids"].flatten(), b["input_ids"], b["labels"], b["align_targets"]
+        at = int((a["labels"] == -100).nonzero()[0])
+        start = int(a["align_targets"][at]) - 1
+        cue = cfg.recall_cue
+        scored = (lab != -100).nonzero().flatten()
+        first = int(scored[0]) if at <= int(scored[0]) else int(scored[scored >= at][0])
+        d = first - (at + cue)
+        assert 1 <= d <= 3
+        detours.add(d)
+        assert torch.equal(dec[:at], a["input_ids"][:at]) and torch.equal(
+            dec[at : at + cue], flat[start : start + cue]
+        )
+        own = dec[at + cue : first]
+        assert any(torch.equal(own, dec[j : j + d]) for j in range(at - d + 1))  # the decoder's own tokens
+        m = dec.numel() - first
+        assert torch.equal(dec[first:], flat[start + cue : start + cue + m])  # the span goes on
+        assert (lab[at:first] == -100).all() and torch.equal(lab[first:], dec[first:])
+        assert (al[at + cue - 1 : first - 1] == -1).all()
+        assert al[first - 1 : -1].tolist() == list(range(start + cue, start + cue + m))
+    assert detours == {1, 2, 3}
+    with pytest.raises(ValueError, match="recall_detour"):
+        _mixed(tmp_path, recall_detour=2.0)
+    assert plain.fingerprint() != cfg.fingerprint()
+    assert plain.fingerprint() == _mixed(tmp_path, recall_detour=0.0).fingerprint()
 
 
 def test_mixed_stage_validation_and_fingerprint(tmp_path):

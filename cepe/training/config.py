@@ -170,6 +170,8 @@ class TrainConfig:
             window's text planted over the encoder's (a needle the decoder's own text does not predict).
         recall_drop: mixed stage: the probability that a recall example keeps only its last chunks, from
             one drawn uniformly at or before the cue's (the cue stays): recall at every context length.
+        recall_detour: mixed stage: the probability that a recall example puts 1-3 of the decoder's own
+            earlier tokens (unscored) between the cue and the span, which goes on where the cue ended.
         qa_templates: mixed stage: how many of the fact templates of :mod:`cepe.training.synthetic_qa`
             qa examples draw from (1-12; the first 6 are those the first qa run used).
         qa_inline: mixed stage: the fraction of qa examples whose facts are planted inside the running text,
@@ -263,6 +265,7 @@ class TrainConfig:
     recall_span: list[int] = field(default_factory=lambda: [8, 32])
     recall_foreign: float = 0.0
     recall_drop: float = 0.0
+    recall_detour: float = 0.0
     qa_templates: int = 6
     qa_inline: float = 0.0
     qa_span: float = 0.0
@@ -443,6 +446,7 @@ class TrainConfig:
             0.0 <= self.recall_foreign <= 1.0, f"recall_foreign must be in [0, 1], got {self.recall_foreign}"
         )
         _check(0.0 <= self.recall_drop <= 1.0, f"recall_drop must be in [0, 1], got {self.recall_drop}")
+        _check(0.0 <= self.recall_detour <= 1.0, f"recall_detour must be in [0, 1], got {self.recall_detour}")
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
@@ -522,6 +526,7 @@ class TrainConfig:
             "chunk_lengths",
             "recall_foreign",
             "recall_drop",
+            "recall_detour",
         ):
             if not d.get(key):
                 d.pop(key, None)

@@ -18,7 +18,7 @@ import torch
 from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
-_DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG = 31, 37, 41, 43, 47
+_DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG, _DETOUR_TAG = 31, 37, 41, 43, 47, 53
 FOREIGN_OFFSET = 10_000_019
 """A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
@@ -256,6 +256,9 @@ def mixed_example(
       of recall examples takes cue and span from ``foreign`` (another window, usually another document
       or domain) and plants them over the encoder's text at that place first, as a needle is planted:
       text the decoder's own continuation does not predict, so only reading it can.
+      With ``recall_detour`` that share of recall examples puts 1-3 of the decoder's own earlier tokens
+      (unscored) between the cue and its span, which then goes on where the cue ended: recall that
+      survives a detour, as an answer that restates a question and adds a word of its own must.
     - ``qa``: facts planted in the encoder's text, a question about one at the end of the decoder, the
       answer scored (:mod:`cepe.training.synthetic_qa`).
     - ``icl``: in-context classification, demonstrations one per chunk in the encoder and more in the
@@ -355,11 +358,23 @@ def mixed_example(
             mask = recall_drop_mask(
                 mask, start, cfg.recall_drop, example_generator(seed, _RECALL_DROP_TAG, index)
             )
+        flat = enc.reshape(-1)
         dec = dec.clone()
-        dec[at:] = enc.reshape(-1)[start : start + total]
+        dec[at:] = flat[start : start + total]
         labels = dec.clone()
         labels[at : at + cue] = -100
         align[at : n - 1] = torch.arange(start + 1, start + total)
+        gd = example_generator(seed, _DETOUR_TAG, index) if cfg.recall_detour else None
+        if gd is not None and float(torch.rand((), generator=gd)) < cfg.recall_detour and span > 1:
+            d = min(int(torch.randint(1, 4, (1,), generator=gd)), span - 1, at)
+            if d > 0:  # d of the decoder's own earlier tokens between cue and span, then the span goes on
+                src = int(torch.randint(0, at - d + 1, (1,), generator=gd))
+                dec[at + cue : at + cue + d] = dec[src : src + d].clone()
+                dec[at + cue + d :] = flat[start + cue : start + total - d]
+                labels = dec.clone()
+                labels[at : at + cue + d] = -100
+                align[at + cue - 1 : n - 1] = -1
+                align[at + cue + d - 1 : n - 1] = torch.arange(start + cue, start + total - d)
     out = {
         "input_ids": dec,
         "labels": labels,
