@@ -368,8 +368,8 @@ def mixed_example(
         if gd is not None and float(torch.rand((), generator=gd)) < cfg.recall_detour and span > 1:
             d = min(int(torch.randint(1, 4, (1,), generator=gd)), span - 1, at)
             if d > 0:  # d of the decoder's own earlier tokens between cue and span, then the span goes on
-                src = int(torch.randint(0, at - d + 1, (1,), generator=gd))
-                dec[at + cue : at + cue + d] = dec[src : src + d].clone()
+                own = int(torch.randint(0, at - d + 1, (1,), generator=gd))
+                dec[at + cue : at + cue + d] = dec[own : own + d].clone()
                 dec[at + cue + d :] = flat[start + cue : start + total - d]
                 labels = dec.clone()
                 labels[at : at + cue + d] = -100
