@@ -128,8 +128,13 @@ def context_drop_mask(mask: torch.Tensor, p: float, generator: torch.Generator) 
     if float(torch.rand((), generator=generator)) >= p:
         return mask
     k = int(torch.randint(1, mask.shape[0] + 1, (1,), generator=generator))
+    return _drop_first_chunks(mask, mask.shape[0] - k)
+
+
+def _drop_first_chunks(mask: torch.Tensor, d: int) -> torch.Tensor:
+    """``mask`` ``(K, L)`` with its first ``d`` chunks out of the encoder attention mask."""
     out = mask.clone()
-    out[: mask.shape[0] - k] = False
+    out[:d] = False
     return out
 
 
@@ -232,10 +237,9 @@ def recall_drop_mask(mask: torch.Tensor, start: int, p: float, generator: torch.
     not only at the full one (an evaluation's 2K haystack has fewer chunks than a training example's 8K)."""
     if float(torch.rand((), generator=generator)) >= p:
         return mask
-    d = int(torch.randint(0, start // mask.shape[1] + 1, (1,), generator=generator))
-    out = mask.clone()
-    out[:d] = False
-    return out
+    return _drop_first_chunks(
+        mask, int(torch.randint(0, start // mask.shape[1] + 1, (1,), generator=generator))
+    )
 
 
 def mixed_example(
