@@ -185,3 +185,77 @@ def test_online_teacher_config(tmp_path):
         run_teacher(ceped, progress=False)
     log = read_log(train(_cfg(tmp_path, stage="ceped", steps=2, output_dir=str(tmp_path / "d"))))
     assert len(log) == 2 and all("kl" in r for r in log)
+
+
+def test_teacher_tasks_distil_only_the_named_kinds(tmp_path):
+    """teacher_tasks: the teacher runs only for the named kinds (the others' rows stay zeros) and the KL
+    is the plain one over those examples' scored rows alone; the CE still covers every example."""
+    mixed = {"tasks": {"lm": 1, "recall": 1}, "recall_cue": 4, "recall_span": [4, 12], "chunk_noise": 0.0}
+    cfg = _cfg(tmp_path, teacher_tasks=["lm"], **mixed)
+    model = build_model(cfg)
+    with torch.no_grad():  # open the gates so that the student differs from the teacher
+        for m in model.cross_attention_modules():
+            for name, p in m.named_parameters():
+                if "gate" in name:
+                    p.fill_(0.5)
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(6)])
+    batch.pop("index")
+    taught = batch["task"] == 0  # lm
+    assert 0 < int(taught.sum()) < 6
+    loss, metrics = StageModule(model, cfg)(batch)
+    args = [model.decoder, batch["input_ids"], batch["labels"]]
+    args += [batch["encoder_input_ids"], batch["encoder_attention_mask"], 16, batch["context_at"]]
+    probs, idx = online_teacher_topk(*args, select=taught)
+    everyone, _ = online_teacher_topk(*args)
+    assert not probs[~taught].any() and probs[~taught].shape[0] > 0
+    torch.testing.assert_close(probs[taught], everyone[taught])
+    with torch.no_grad():
+        logits = model(
+            batch["input_ids"],
+            encoder_input_ids=batch["encoder_input_ids"],
+            encoder_attention_mask=batch["encoder_attention_mask"],
+        ).logits[:, :-1]
+    keep = batch["labels"][:, 1:] != -100
+    sel = keep & taught[:, None]
+    kl = topk_kl(logits[sel], probs[sel], idx[sel], cfg.kl_form)
+    ce = torch.nn.functional.cross_entropy(logits[keep].float(), batch["labels"][:, 1:][keep])
+    torch.testing.assert_close(metrics["kl"], kl, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metrics["lm"], ce, rtol=1e-4, atol=1e-5)
+    assert float(kl) > 0.05
+    # every kind taught: the KL also counts the recall rows, so it differs
+    _, all_taught = StageModule(model, _cfg(tmp_path, teacher_tasks=["lm", "recall"], **mixed))(batch)
+    assert abs(float(all_taught["kl"]) - float(kl)) > 1e-4
+
+
+def test_teacher_keeps_the_last_context_that_fits_its_positions(tmp_path):
+    """Beyond the teacher's positions it reads the context's last tokens that fit, before the decoder's."""
+    cfg = _cfg(tmp_path)
+    dec = build_model(cfg).decoder
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (1, 8), generator=g)
+    enc = torch.randint(0, 128, (1, 3, 5), generator=g)
+    mask = torch.ones(1, 3, 5, dtype=torch.bool)
+    short, _ = online_teacher_topk(dec, ids, ids, enc, mask, 16, max_positions=8 + 6)
+    kept = enc.reshape(1, 1, 15)[:, :, 9:]  # the last 6 context tokens
+    by_hand, _ = online_teacher_topk(dec, ids, ids, kept, torch.ones_like(kept, dtype=torch.bool), 16)
+    torch.testing.assert_close(short, by_hand)
+    full, _ = online_teacher_topk(dec, ids, ids, enc, mask, 16, max_positions=8 + 15)
+    torch.testing.assert_close(full, online_teacher_topk(dec, ids, ids, enc, mask, 16)[0])
+    assert not torch.equal(short, full)
+
+
+def test_teacher_tasks_config(tmp_path):
+    mixed = {"tasks": {"lm": 1, "recall": 1}, "recall_cue": 4, "recall_span": [4, 12]}
+    assert (
+        _cfg(tmp_path, **mixed).fingerprint() != _cfg(tmp_path, teacher_tasks=["lm"], **mixed).fingerprint()
+    )
+    assert "teacher_tasks" not in _cfg(tmp_path, **mixed).to_dict() or _cfg(
+        tmp_path, **mixed
+    ).fingerprint() == (_cfg(tmp_path, teacher_tasks=None, **mixed).fingerprint())
+    with pytest.raises(ValueError, match="teacher_tasks must be a list of kinds named in tasks"):
+        _cfg(tmp_path, teacher_tasks=["qa"], **mixed)
+    with pytest.raises(ValueError, match="needs online_teacher: true and tasks"):
+        _cfg(tmp_path, teacher_tasks=["lm"], online_teacher=False, **mixed)
+    with pytest.raises(ValueError, match="needs online_teacher: true and tasks"):
+        _cfg(tmp_path, teacher_tasks=["lm"])

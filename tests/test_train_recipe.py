@@ -97,6 +97,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "context_drop",
         "chunk_lengths",
         "online_teacher",
+        "teacher_tasks",
     ):
         d.pop(key)
     d["data"].pop("shuffle")

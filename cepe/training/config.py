@@ -208,7 +208,13 @@ class TrainConfig:
             student sees, noise-masked and padding tokens dropped, in order, before the decoder tokens;
             for ``qa`` examples after the chat template's opening), and the loss becomes ``ce_coef``·CE +
             ``kl_coef``·KL over its top ``top_k`` tokens at every scored position. Stages ``cepe``
-            (mixed or not) and ``ceped``. Costs one decoder forward over K·L + n tokens per example.
+            (mixed or not) and ``ceped``. Costs one decoder forward over K·L + n tokens per example. Where
+            K·L + n exceeds the teacher's positions (``max_position_embeddings``), it reads the context's
+            last tokens that fit.
+        teacher_tasks: mixed stage with ``online_teacher``: the kinds (of ``tasks``) whose examples get the
+            teacher's KL; the others are trained on their cross-entropy alone and the teacher is not run
+            for them (a decoder that cannot copy from 8K of its own window is no teacher for recall).
+            None = every kind.
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
@@ -282,6 +288,7 @@ class TrainConfig:
     kl_form: str = "drop"
     kl_smoothing: float = 1e-4
     online_teacher: bool = False
+    teacher_tasks: list[str] | None = None
     # loop
     steps: int = 100
     batch_size: int = 8
@@ -404,6 +411,17 @@ class TrainConfig:
                 self.teacher_dir is None,
                 "online_teacher computes the teacher during training; remove teacher_dir (or online_teacher)",
             )
+        if self.teacher_tasks is not None:
+            _check(
+                self.online_teacher and self.tasks is not None,
+                "teacher_tasks picks which kinds of a mixed stage get the online teacher; it needs "
+                "online_teacher: true and tasks",
+            )
+            _check(
+                isinstance(self.teacher_tasks, list) and set(self.teacher_tasks) <= set(self.tasks or {}),
+                f"teacher_tasks must be a list of kinds named in tasks ({sorted(self.tasks or {})}), "
+                f"got {self.teacher_tasks!r}",
+            )
         if self.stage == "mlm":
             _check(self.init_adapter is None, "the mlm stage trains the encoder alone; remove init_adapter")
         for key in ("vocab_size", "mask_token_id"):
@@ -516,6 +534,8 @@ class TrainConfig:
                 d.pop(key, None)
         if not d.get("online_teacher"):
             d.pop("online_teacher", None)
+        if d.get("teacher_tasks") is None:
+            d.pop("teacher_tasks", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
         for key in (

@@ -184,6 +184,11 @@ class StageModule(nn.Module):
         self.align_coef, self.align_heads = cfg.align_coef, cfg.align_heads
         self.align_layers = None if cfg.align_layers is None else frozenset(cfg.align_layers)
         self.online_teacher, self.top_k = cfg.online_teacher, cfg.top_k
+        self.teacher_kinds = None
+        if cfg.teacher_tasks is not None:
+            from .config import TASK_KINDS
+
+            self.teacher_kinds = [TASK_KINDS.index(k) for k in cfg.teacher_tasks]
         self._held = contextlib.ExitStack()
         self.fast = not getattr(cfg, "reference_path", False)  # chunked head loss, no decoder cache
         self._head = HeadWeight()
@@ -206,6 +211,8 @@ class StageModule(nn.Module):
                 from .online_teacher import online_teacher_topk
 
                 batch = dict(batch)
+                if self.teacher_kinds is not None:  # (B,) the examples the teacher is run for
+                    batch["teacher_rows"] = torch.isin(batch["task"], torch.tensor(self.teacher_kinds))
                 batch["teacher_probs"], batch["teacher_indices"] = online_teacher_topk(
                     m.decoder,
                     batch["input_ids"],
@@ -214,6 +221,8 @@ class StageModule(nn.Module):
                     batch["encoder_attention_mask"],
                     self.top_k,
                     batch.get("context_at"),
+                    batch.get("teacher_rows"),
+                    getattr(m.decoder.config, "max_position_embeddings", None),
                 )
             ctx = m.prepare_context(
                 batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
@@ -273,19 +282,24 @@ class StageModule(nn.Module):
         self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(CE, KL(teacher ‖ student))`` at the scored positions, from one pass of the student's head over
-        those rows alone (the KL over the teacher's top-k)."""
+        those rows alone (the KL over the teacher's top-k, at the rows of the examples in
+        ``batch["teacher_rows"]`` where present; 0 where none is)."""
         keep = batch["labels"][:, 1:] != -100  # (B, T-1)
         if not bool(keep.any()):  # nothing scored: 0, still connected to the graph
             zero = hidden.float().sum() * 0.0
             return zero, zero
         logits = m.lm_logits(hidden[:, :-1][keep])  # (N, V)
         ce = F.cross_entropy(logits.float(), batch["labels"][:, 1:][keep])
+        taught = None  # (N,) the rows the teacher was run for
+        if "teacher_rows" in batch:
+            taught = batch["teacher_rows"][:, None].expand_as(keep)[keep]
         kl = topk_kl(
             logits,
             batch["teacher_probs"][keep],
             batch["teacher_indices"][keep],
             self.kl_form,
             self.kl_smoothing,
+            mask=taught,
         )
         return ce, kl
 

@@ -23,6 +23,8 @@ def online_teacher_topk(
     encoder_attention_mask: torch.Tensor,
     k: int,
     context_at: torch.Tensor | None = None,
+    select: torch.Tensor | None = None,
+    max_positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder as its own CEPED teacher, computed on the fly: for each example it reads the context
     the student's encoder gets (the tokens of ``encoder_input_ids`` where ``encoder_attention_mask`` is
@@ -37,6 +39,9 @@ def online_teacher_topk(
         encoder_input_ids, encoder_attention_mask: ``(B, K, L)``.
         k: tokens kept per position.
         context_at: ``(B,)`` insertion points (None = all 0).
+        select: ``(B,)`` bool, the examples to compute (None = all); the others' rows stay zeros.
+        max_positions: the teacher's positions; a longer input keeps the context's last
+            ``max_positions - n`` tokens (None = no limit).
 
     Returns:
         ``(probs (B, n-1, k) fp16, indices (B, n-1, k) int64)``: row t is the teacher's distribution of
@@ -48,9 +53,11 @@ def online_teacher_topk(
     base = decoder.get_decoder()
     for i in range(b):
         rows = (labels[i, 1:] != -100).nonzero().squeeze(-1)  # (N_i,) scored positions
-        if rows.numel() == 0:
+        if rows.numel() == 0 or (select is not None and not bool(select[i])):
             continue
         ctx = encoder_input_ids[i][encoder_attention_mask[i].bool()]  # (S_i,)
+        if max_positions is not None and ctx.numel() + n > max_positions:
+            ctx = ctx[ctx.numel() + n - max_positions :]
         at = 0 if context_at is None else int(context_at[i])
         ids = torch.cat([input_ids[i, :at], ctx, input_ids[i, at:]])[None]  # (1, S_i + n)
         hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0]  # (S_i + n, D)
