@@ -259,3 +259,16 @@ def test_teacher_tasks_config(tmp_path):
         _cfg(tmp_path, teacher_tasks=["lm"], online_teacher=False, **mixed)
     with pytest.raises(ValueError, match="needs online_teacher: true and tasks"):
         _cfg(tmp_path, teacher_tasks=["lm"])
+
+
+def test_cost_model_counts_the_teacher_for_its_share_of_examples(tmp_path):
+    """teacher_tasks: the teacher's forward is counted for the taught kinds' share of examples."""
+    from cepe.training.speed import step_flops
+
+    mixed = {"tasks": {"lm": 1, "recall": 3}, "recall_cue": 4, "recall_span": [4, 12]}
+    every, quarter = _cfg(tmp_path, **mixed), _cfg(tmp_path, teacher_tasks=["lm"], **mixed)
+    none = _cfg(tmp_path, online_teacher=False, **mixed)
+    model = build_model(every)
+    f_all, f_quarter, f_none = (step_flops(c, model)["forward"] for c in (every, quarter, none))
+    assert f_none < f_quarter < f_all
+    assert abs((f_quarter - f_none) - 0.25 * (f_all - f_none)) <= 2 * every.batch_size

@@ -207,9 +207,12 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     bwd_lin = above * linear + (mlp if layers else 0) + head + 2 * (x_lin + e_lin)
     bwd_att = above * 2 * attn + 2 * (x_att + e_att)
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
-        t = s + n
-        fwd_lin += dec.layers * 2 * t * dec.linear_params_per_layer + head
-        fwd_att += dec.layers * 4 * causal_pairs(0, t) * dec.heads * dec.head_dim
+        t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
+        share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
+        if getattr(cfg, "teacher_tasks", None) is not None:
+            share = sum(float(cfg.tasks[k]) for k in cfg.teacher_tasks) / sum(map(float, cfg.tasks.values()))
+        fwd_lin += round(share * (dec.layers * 2 * t * dec.linear_params_per_layer + head))
+        fwd_att += round(share * dec.layers * 4 * causal_pairs(0, t) * dec.heads * dec.head_dim)
     return {
         "forward": b * (fwd_lin + fwd_att),
         "backward": b * (bwd_lin + bwd_att),
@@ -225,5 +228,6 @@ COST_MODEL = (
     "token, cross-attention with keys projected, encoder chunks; backward = 2x forward for the trainable "
     "encoder and cross-attention, 1x forward (attention 2x) for frozen decoder layers above the lowest "
     "cross-attention layer, its MLP and the head; no backward below it; an online CEPED teacher adds "
-    "the decoder's forward over context + decoder tokens"
+    "the decoder's forward over context + decoder tokens (up to its positions; times the share of examples "
+    "it runs for)"
 )
