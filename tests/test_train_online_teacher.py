@@ -272,3 +272,35 @@ def test_cost_model_counts_the_teacher_for_its_share_of_examples(tmp_path):
     f_all, f_quarter, f_none = (step_flops(c, model)["forward"] for c in (every, quarter, none))
     assert f_none < f_quarter < f_all
     assert abs((f_quarter - f_none) - 0.25 * (f_all - f_none)) <= 2 * every.batch_size
+
+
+def test_teacher_context_shortens_the_taught_lm_examples_only(tmp_path):
+    """teacher_context: lm examples keep only their last chunks (within the limit) for student and teacher;
+    recall examples keep the whole context; the option is refused without lm taught or off the chunk grid."""
+    from cepe.training.data import example_task
+
+    mixed = {"tasks": {"lm": 1, "recall": 1}, "recall_cue": 4, "recall_span": [4, 12], "chunk_noise": 0.0}
+    cfg = _cfg(tmp_path, teacher_tasks=["lm"], **mixed)
+    k, n = cfg.n_chunks, cfg.chunk_length
+    short = _cfg(tmp_path, teacher_tasks=["lm"], teacher_context=n, **mixed)
+    src = window_source(cfg, 128)
+    kinds = set()
+    for i in range(8):
+        full, cut, kind = (
+            build_example(cfg, src[i], i, None),
+            build_example(short, src[i], i, None),
+            example_task(cfg, i),
+        )
+        kinds.add(kind)
+        if kind == "lm":
+            assert not cut["encoder_attention_mask"][: k - 1].any()
+            assert torch.equal(cut["encoder_attention_mask"][k - 1], full["encoder_attention_mask"][k - 1])
+        else:
+            assert torch.equal(cut["encoder_attention_mask"], full["encoder_attention_mask"])
+        assert torch.equal(cut["input_ids"], full["input_ids"])
+    assert kinds == {"lm", "recall"}
+    assert short.fingerprint() != cfg.fingerprint()
+    with pytest.raises(ValueError, match="needs teacher_tasks with lm"):
+        _cfg(tmp_path, teacher_tasks=["recall"], teacher_context=n, **mixed)
+    with pytest.raises(ValueError, match="positive multiple of chunk_length"):
+        _cfg(tmp_path, teacher_tasks=["lm"], teacher_context=n + 1, **mixed)

@@ -98,6 +98,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "chunk_lengths",
         "online_teacher",
         "teacher_tasks",
+        "teacher_context",
     ):
         d.pop(key)
     d["data"].pop("shuffle")

@@ -215,6 +215,10 @@ class TrainConfig:
             teacher's KL; the others are trained on their cross-entropy alone and the teacher is not run
             for them (a decoder that cannot copy from 8K of its own window is no teacher for recall).
             None = every kind.
+        teacher_context: mixed stage with ``online_teacher`` and ``lm`` among ``teacher_tasks``: ``lm``
+            examples keep only the last ``teacher_context`` tokens of their context (whole chunks; for the
+            student and the teacher), so continuation is distilled at a length where the decoder reads well
+            while the other kinds keep the full K·L. None = the full length.
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
@@ -289,6 +293,7 @@ class TrainConfig:
     kl_smoothing: float = 1e-4
     online_teacher: bool = False
     teacher_tasks: list[str] | None = None
+    teacher_context: int | None = None
     # loop
     steps: int = 100
     batch_size: int = 8
@@ -422,6 +427,18 @@ class TrainConfig:
                 f"teacher_tasks must be a list of kinds named in tasks ({sorted(self.tasks or {})}), "
                 f"got {self.teacher_tasks!r}",
             )
+        if self.teacher_context is not None:
+            _check(
+                "lm" in (self.teacher_tasks or []),
+                "teacher_context shortens the context of the lm examples the online teacher runs for; it "
+                "needs teacher_tasks with lm",
+            )
+            _check(
+                0 < self.teacher_context <= self.n_chunks * self.chunk_length
+                and self.teacher_context % self.chunk_length == 0,
+                f"teacher_context must be a positive multiple of chunk_length ({self.chunk_length}) up to "
+                f"n_chunks × chunk_length ({self.n_chunks * self.chunk_length}), got {self.teacher_context}",
+            )
         if self.stage == "mlm":
             _check(self.init_adapter is None, "the mlm stage trains the encoder alone; remove init_adapter")
         for key in ("vocab_size", "mask_token_id"):
@@ -534,8 +551,9 @@ class TrainConfig:
                 d.pop(key, None)
         if not d.get("online_teacher"):
             d.pop("online_teacher", None)
-        if d.get("teacher_tasks") is None:
-            d.pop("teacher_tasks", None)
+        for key in ("teacher_tasks", "teacher_context"):
+            if d.get(key) is None:
+                d.pop(key, None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
         for key in (
