@@ -13,7 +13,7 @@ ADAPTER=$1; OUT=$2; shift 2
 SCALES=("$@"); [ ${#SCALES[@]} -gt 0 ] || SCALES=(1 1.25 1.5 1.75)
 for s in "${SCALES[@]}"; do
   d=$OUT/scale_$s
-  run() { cepe eval "$1" --model "$ADAPTER" --config "$2" --methods cepe --autocast bf16 --context-scale "$s" \
+  run() { cepe eval "$1" --model "$ADAPTER" --config "$2" --methods cepe --autocast auto --context-scale "$s" \
     --no-progress "${@:4}" --out "$d/$3" > /dev/null; }
   [ -f "$d/needle/needle.json" ] || run needle configs/eval/needle_val_nll.yaml needle
   [ -f "$d/lm_val/lm.json" ] || run lm configs/eval/lm_val.yaml lm_val

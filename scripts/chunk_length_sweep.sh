@@ -12,7 +12,7 @@ LENGTHS=("$@"); [ ${#LENGTHS[@]} -gt 0 ] || LENGTHS=(64 128 256)
 for n in "${LENGTHS[@]}"; do
   d=$OUT/chunk_$n/needle
   [ -f "$d/needle.json" ] || cepe eval needle --model "$ADAPTER" --config configs/eval/needle_val_nll.yaml \
-    --set "chunk_length=$n" --methods cepe --autocast bf16 --no-progress --out "$d" > /dev/null
+    --set "chunk_length=$n" --methods cepe --autocast auto --no-progress --out "$d" > /dev/null
   echo "chunk length $n done"
 done
 python scripts/sweep_table.py "$OUT" "$ADAPTER" chunk_length chunk chunk_length "Validation needle by chunk length" "${LENGTHS[@]}"

@@ -12,11 +12,11 @@ ADAPTER=$1; OUT=$2
 METHODS=${METHODS:-cepe,truncated,full}
 mkdir -p "$OUT"
 cepe eval needle --model "$ADAPTER" --config configs/eval/needle_encoder.yaml --methods cepe \
-  --autocast bf16 --out "$OUT/needle_encoder" > "$OUT/needle_encoder.log" 2>&1
+  --autocast auto --out "$OUT/needle_encoder" > "$OUT/needle_encoder.log" 2>&1
 cepe eval icl --model "$ADAPTER" --config configs/eval/icl.yaml --methods "$METHODS" \
-  --autocast bf16 --batch-size 1 --out "$OUT/icl" > "$OUT/icl.log" 2>&1
+  --autocast auto --batch-size 1 --out "$OUT/icl" > "$OUT/icl.log" 2>&1
 cepe eval qa --model "$ADAPTER" --config configs/eval/qa.yaml --methods "$METHODS" \
-  --autocast bf16 --batch-size 1 --out "$OUT/qa" > "$OUT/qa.log" 2>&1
+  --autocast auto --batch-size 1 --out "$OUT/qa" > "$OUT/qa.log" 2>&1
 if [ "${MAIN:-1}" != 0 ]; then
   cepe main --adapter "$ADAPTER" --out "$OUT/main" > "$OUT/main.log" 2>&1
 fi

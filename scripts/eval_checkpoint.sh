@@ -13,14 +13,14 @@ cd "$(dirname "$0")/.."
 RUN=$1; STEP=$(printf "%06d" "$2")
 ADAPTER=$RUN/checkpoints/step_$STEP/adapter
 OUT=$RUN/eval/step_$STEP
-cepe eval copy --model "$ADAPTER" --config configs/eval/copy.yaml --methods cepe --autocast bf16 \
+cepe eval copy --model "$ADAPTER" --config configs/eval/copy.yaml --methods cepe --autocast auto \
   --out "$OUT/copy" > /dev/null
-cepe eval needle --model "$ADAPTER" --config configs/eval/needle_val_nll.yaml --methods cepe --autocast bf16 \
+cepe eval needle --model "$ADAPTER" --config configs/eval/needle_val_nll.yaml --methods cepe --autocast auto \
   --out "$OUT/needle" > /dev/null
-cepe eval lm --model "$ADAPTER" --config configs/eval/lm_val.yaml --methods cepe --autocast bf16 \
+cepe eval lm --model "$ADAPTER" --config configs/eval/lm_val.yaml --methods cepe --autocast auto \
   --out "$OUT/lm_val" > /dev/null
 if [ "${ICL_VAL:-1}" != 0 ]; then
-  cepe eval icl --model "$ADAPTER" --config configs/eval/icl_val.yaml --methods cepe --autocast bf16 \
+  cepe eval icl --model "$ADAPTER" --config configs/eval/icl_val.yaml --methods cepe --autocast auto \
     --batch-size 1 --out "$OUT/icl_val" > /dev/null
 fi
 python - "$OUT" <<'PY'

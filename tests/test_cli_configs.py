@@ -292,3 +292,21 @@ def test_store_and_serve_flags_kept(tmp_path):
     conf.write_text("store: st\nlimits: {max_queu: 3}\n")
     with pytest.raises(ValueError, match=r"unknown serve config\.limits keys \['max_queu'\]"):
         config_from_args(ServeConfig, _args(["serve", "--config", str(conf)]), "serve config")
+
+
+def test_eval_autocast_auto_follows_the_machine(monkeypatch):
+    """--autocast auto: bf16 where it is the fast path (CEPE_BF16 decides here), none where it is emulated;
+    named dtypes pass through and unknown ones are refused with the choices."""
+    import torch
+
+    from cepe.eval.api import resolve_autocast
+
+    assert EvalRunConfig(autocast="auto").autocast == "auto"
+    monkeypatch.setenv("CEPE_BF16", "0")
+    assert resolve_autocast("auto", "cpu") is None
+    monkeypatch.setenv("CEPE_BF16", "1")
+    assert resolve_autocast("auto", "cpu") is torch.bfloat16
+    assert resolve_autocast("bf16", "cpu") is torch.bfloat16
+    assert resolve_autocast(None, "cpu") is None
+    with pytest.raises(ValueError, match="autocast must be auto, bf16 or fp16"):
+        EvalRunConfig(autocast="bf15")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cepe.configio import build
 from cepe.dtypes import torch_dtype as to_torch_dtype
@@ -33,6 +33,9 @@ from cepe.eval.common import EvalSetup
 from cepe.eval.config import DTYPES, EvalRunConfig
 from cepe.eval.tasks import TASKS
 from cepe.measure import cpu_count_note, seed_everything
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _is_cepe_dir(path: Path) -> bool:
@@ -122,6 +125,16 @@ def run_task(task: str, setup: EvalSetup, config: dict[str, Any]) -> dict[str, A
     return result
 
 
+def resolve_autocast(autocast: str | None, device: str | torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``EvalRunConfig.autocast``: None, a named dtype, or for ``auto`` bf16 where
+    its matmuls are faster than fp32 on ``device`` (``cepe.compute.autocast_dtype``), else None."""
+    if autocast == "auto":
+        from cepe.compute import autocast_dtype
+
+        return autocast_dtype(device)
+    return to_torch_dtype(autocast) if autocast else None
+
+
 def run_eval(
     task: str,
     run: EvalRunConfig,
@@ -145,7 +158,7 @@ def run_eval(
         tokenizer=run.tokenizer,
         cepe_init=run.cepe_init,
         method_options=method_options,
-        autocast_dtype=to_torch_dtype(run.autocast) if run.autocast else None,
+        autocast_dtype=resolve_autocast(run.autocast, device),
         batch_size=run.batch_size,
         seed=run.seed,
         limit=run.limit,

@@ -28,7 +28,9 @@ class EvalRunConfig:
             several values or one comma-separated list (``--methods cepe,truncated``).
         device: ``cpu``, ``cuda``, ... (default: cuda when available, else cpu).
         dtype: weights dtype.
-        autocast: autocast dtype for the forward passes (default: none, the weights dtype).
+        autocast: autocast dtype for the forward passes (default: none, the weights dtype); ``auto`` =
+            bf16 where its matmuls are faster than fp32 on this machine (bf16 matrix units), else none
+            (``cepe.compute``; ``CEPE_BF16=1`` / ``0`` forces either).
         batch_size: requests of equal length scored per forward pass.
         limit: cap on examples per setting (quick runs; default: the task config's counts).
         seed: run seed (seeded before the task runs).
@@ -44,7 +46,7 @@ class EvalRunConfig:
     methods: list[str] = field(default_factory=lambda: ["truncated"])
     device: str | None = None
     dtype: str = field(default="fp32", metadata={"choices": tuple(sorted(DTYPES))})
-    autocast: str | None = field(default=None, metadata={"choices": ("bf16", "fp16")})
+    autocast: str | None = field(default=None, metadata={"choices": ("auto", "bf16", "fp16")})
     batch_size: int = 8
     limit: int | None = None
     seed: int = 0
@@ -63,8 +65,8 @@ class EvalRunConfig:
             raise ValueError(f"methods: unknown {bad}; choose from {', '.join(METHODS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.autocast is not None and self.autocast not in ("bf16", "fp16"):
-            raise ValueError(f"autocast must be bf16 or fp16, got {self.autocast!r}")
+        if self.autocast is not None and self.autocast not in ("auto", "bf16", "fp16"):
+            raise ValueError(f"autocast must be auto, bf16 or fp16, got {self.autocast!r}")
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.context_scale is not None and not 0 <= self.context_scale < float("inf"):
