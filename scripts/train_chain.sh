@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run recipe stages one after another in one background process, each started or resumed as
+# scripts/train_long.sh does; a stage whose status.json says "done" is skipped, so the same command picks a
+# chain up after a kill or in a new session on the same machine.
+# Usage: bash scripts/train_chain.sh NAME [NAME ...]   (NAME: configs/train/recipe/NAME.yaml)
+# e.g.   bash scripts/train_chain.sh fast_warmup fast_direct
+# Log: runs/recipe/chain.log (each stage also logs to runs/recipe/NAME.log); the chain's pid: runs/recipe/chain.pid.
+# Pause or stop the running stage with `cepe train --status runs/recipe/NAME` and its signals (docs/TRAINING.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { echo "usage: bash scripts/train_chain.sh NAME [NAME ...] (configs/train/recipe/NAME.yaml)" >&2; exit 2; }
+for name in "$@"; do
+  [ -f "configs/train/recipe/$name.yaml" ] || { echo "no such stage: configs/train/recipe/$name.yaml" >&2; exit 2; }
+done
+. .venv/bin/activate
+mkdir -p runs/recipe
+[ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
+  --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
+run_chain() {
+  for name in "$@"; do
+    local cfg=configs/train/recipe/$name.yaml out=runs/recipe/$name
+    if [ -f "$out/status.json" ] && grep -q '"state": "done"' "$out/status.json"; then
+      echo "$(date -u +%FT%TZ) $name: done already, skipped"; continue
+    fi
+    local resume=(); [ -d "$out/checkpoints" ] && resume=(--resume)
+    echo "$(date -u +%FT%TZ) $name: ${resume[*]:-start}"
+    cepe train --stage "$(grep -m1 '^stage:' "$cfg" | cut -d' ' -f2)" --config "$cfg" --output-dir "$out" \
+      --no-progress "${resume[@]}" >> "$out.log" 2>&1 || { echo "$(date -u +%FT%TZ) $name: failed, see $out.log"; exit 1; }
+    if ! grep -q '"state": "done"' "$out/status.json"; then  # stopped (SIGTERM) before its last step
+      echo "$(date -u +%FT%TZ) $name: stopped before its end; the chain stops (run it again to resume)"; exit 0
+    fi
+    echo "$(date -u +%FT%TZ) $name: ended"
+  done
+}
+nohup bash -c "$(declare -f run_chain); run_chain $*" >> runs/recipe/chain.log 2>&1 &
+echo $! > runs/recipe/chain.pid
+echo "started the chain $* (pid $(cat runs/recipe/chain.pid)), log runs/recipe/chain.log"
