@@ -116,7 +116,9 @@ def test_fast_paths_keep_the_tiny_loss_curve(tmp_path, stage, bf16):
     fast = train(_cfg(stage, tmp_path / "fast", **kw))
     a, b = _losses(ref), _losses(fast)
     assert len(a) == 6 and max(a) - min(a) > 0.1  # the weights move
-    assert b == pytest.approx(a, rel=1e-5, abs=0), (a, b)
+    # fp32: the same losses to 1e-5. bf16: on CPUs without bf16 units the emulated kernels round the two
+    # paths' different op orders differently, and six steps amplify it (7.5e-5 measured on an AVX2 CPU).
+    assert b == pytest.approx(a, rel=1e-5 if bf16 == "false" else 1e-3, abs=0), (a, b)
 
 
 def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
