@@ -5,7 +5,8 @@
 # Usage: bash scripts/train_chain.sh NAME [NAME ...]   (NAME: configs/train/recipe/NAME.yaml)
 # e.g.   bash scripts/train_chain.sh fast_warmup fast_direct
 # Log: runs/recipe/chain.log (each stage also logs to runs/recipe/NAME.log); the chain's pid: runs/recipe/chain.pid.
-# BF16=auto (or true / false) overrides the configs' bf16 setting: configs that say `bf16: true` force
+# BF16=auto (or true / false) overrides the configs' bf16 setting (resume a chain with the same BF16: it is
+# part of each stage's fingerprint); configs that say `bf16: true` force
 # emulated bf16, about 1/100 of fp32's speed, on CPUs without bf16 matrix units.
 # Pause or stop the running stage with `cepe train --status runs/recipe/NAME` and its signals (docs/TRAINING.md).
 set -euo pipefail
