@@ -88,17 +88,22 @@ def test_kl_vanishes_when_the_student_reads_what_the_teacher_reads(tmp_path):
     assert float(with_context["kl"]) > 20 * float(metrics["kl"])
 
 
+def _open_gates(model) -> None:
+    """Every cross-attention gate at 0.5, so that the student differs from the teacher."""
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            for name, p in m.named_parameters():
+                if "gate" in name:
+                    p.fill_(0.5)
+
+
 def test_online_kl_matches_the_plain_computation(tmp_path):
     """The fast path (chunked CE, head on scored rows) gives the loss of full logits + topk_kl by hand."""
     cfg = _cfg(
         tmp_path, tasks={"lm": 1, "copy": 1, "recall": 1}, recall_cue=4, recall_span=[4, 12], align_coef=1.0
     )
     model = build_model(cfg)
-    with torch.no_grad():  # open the gates so that the student differs from the teacher
-        for m in model.cross_attention_modules():
-            for name, p in m.named_parameters():
-                if "gate" in name:
-                    p.fill_(0.5)
+    _open_gates(model)
     src = window_source(cfg, 128)
     batch = collate([build_example(cfg, src[i], i, None) for i in range(4)])
     batch.pop("index")
@@ -193,11 +198,7 @@ def test_teacher_tasks_distil_only_the_named_kinds(tmp_path):
     mixed = {"tasks": {"lm": 1, "recall": 1}, "recall_cue": 4, "recall_span": [4, 12], "chunk_noise": 0.0}
     cfg = _cfg(tmp_path, teacher_tasks=["lm"], **mixed)
     model = build_model(cfg)
-    with torch.no_grad():  # open the gates so that the student differs from the teacher
-        for m in model.cross_attention_modules():
-            for name, p in m.named_parameters():
-                if "gate" in name:
-                    p.fill_(0.5)
+    _open_gates(model)
     src = window_source(cfg, 128)
     batch = collate([build_example(cfg, src[i], i, None) for i in range(6)])
     batch.pop("index")
