@@ -249,8 +249,14 @@ def test_shipped_configs_load(path):
         if cfg.stage == "warmup":
             assert cfg.encoder_init in ("decoder", "random") and cfg.data.shuffle > 0
         else:  # a later stage starts from a checkpoint of another shipped recipe run
-            outs = [load_config(p).output_dir for p in path.parent.glob("*.yaml") if p != path]
-            assert any(cfg.init_adapter.startswith(o + "/checkpoints/") for o in outs)
+            srcs = {
+                load_config(p).output_dir: load_config(p) for p in path.parent.glob("*.yaml") if p != path
+            }
+            out, step = cfg.init_adapter.split("/checkpoints/step_")
+            assert out in srcs and cfg.init_adapter.endswith("/adapter")
+            if path.stem.startswith("fast_"):  # the rebuild chain: its start survives checkpoint rotation
+                src, step = srcs[out], int(step.split("/")[0])
+                assert step == src.steps or step in src.keep_steps, (step, src.steps, src.keep_steps)
         return
     assert cfg.stage == ("warmup" if path.stem == "copy" else path.stem)  # the file name says the stage
     if path.parent.name == "tiny":
@@ -263,6 +269,25 @@ def test_shipped_configs_load(path):
     if previous and path.stem != "copy":
         prev = load_config(path.with_name(f"{previous}.yaml"))
         assert start == prev.output_dir, (start, prev.output_dir)
+
+
+def test_keep_steps_survive_rotation(tmp_path):
+    from cepe.training.checkpoint import checkpoint_dirs, save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in (20, 40, 60, 80, 100, 120):
+        save_checkpoint(tmp_path, step, model, opt, sched, {"step": step}, [{}], keep=2, keep_steps=(40,))
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [40, 100, 120]
+    save_checkpoint(tmp_path, 140, model, opt, sched, {"step": 140}, [{}], keep=2)
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [120, 140]  # no keep_steps: plain rotation
+    base = {"stage": "cepe", "output_dir": "x", "data": {"corpus": "c"}, "steps": 120, "save_every": 20}
+    assert load_config({**base, "keep_steps": [100, 120]}).keep_steps == (100, 120)
+    with pytest.raises(ValueError, match="keep_steps must lie in 1..steps"):
+        load_config({**base, "keep_steps": [140]})
+    with pytest.raises(ValueError, match="multiple of save_every"):
+        load_config({**base, "keep_steps": [30]})
 
 
 def test_bad_config_messages(tmp_path):

@@ -62,8 +62,9 @@ def save_checkpoint(
     state: dict[str, Any],
     rng_states: list[dict[str, Any]],
     keep: int = 2,
+    keep_steps: tuple[int, ...] = (),
 ) -> Path:
-    """Write checkpoint ``step`` atomically and delete all but the newest ``keep``.
+    """Write checkpoint ``step`` atomically and delete all but the newest ``keep`` (and ``keep_steps``).
 
     Args:
         model: the unwrapped stage model (:class:`CepeForCausalLM` or the MLM model).
@@ -93,7 +94,8 @@ def save_checkpoint(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    for _, old in checkpoint_dirs(output_dir)[:-keep]:
+    rotated = [(s, p) for s, p in checkpoint_dirs(output_dir) if s not in keep_steps]
+    for _, old in rotated[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

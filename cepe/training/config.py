@@ -226,6 +226,8 @@ class TrainConfig:
         bf16: bf16 autocast (fp32 losses): ``true``, ``false`` or ``"auto"`` (bf16 where its matmuls are
             faster than fp32 on the training device, see :mod:`cepe.compute`). gradient_checkpointing: recompute activations in backward.
         save_every, keep_checkpoints, log_every, seed, progress, num_threads: as named.
+        keep_steps: checkpoints at these steps are never rotated out (``keep_checkpoints`` counts the
+            others): a later stage that starts from a step before the end finds it after the run.
 
     Speed and run control (none of these changes the losses; they are not part of :meth:`fingerprint`):
         reference_path: run the plain computations (autocast casts the frozen weights every call, full
@@ -302,6 +304,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     save_every: int = 50
     keep_checkpoints: int = 2
+    keep_steps: tuple[int, ...] = ()
     log_every: int = 1
     seed: int = 0
     progress: bool = True
@@ -386,6 +389,17 @@ class TrainConfig:
             "decoder_dtype bfloat16 needs bf16 autocast (bf16: true) so that fp32 cross-attention matches it",
         )
         _check(self.keep_checkpoints >= 1, "keep_checkpoints must be at least 1")
+        self.keep_steps = tuple(int(s) for s in self.keep_steps)
+        _check(
+            all(0 < s <= self.steps for s in self.keep_steps),
+            f"keep_steps must lie in 1..steps ({self.steps}), got {list(self.keep_steps)}",
+        )
+        bad = [s for s in self.keep_steps if s % self.save_every and s != self.steps]
+        _check(
+            not bad,
+            f"keep_steps {bad} are not checkpointed: each must be a multiple of save_every ({self.save_every}) "
+            "or the last step",
+        )
         _check(
             self.save_every_minutes is None or self.save_every_minutes > 0,
             f"save_every_minutes must be positive (or null), got {self.save_every_minutes}",
@@ -536,7 +550,15 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """A hash of everything that changes the computed losses (not paths, logging or step counts)."""
         d = self.to_dict()
-        for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
+        for key in (
+            "output_dir",
+            "progress",
+            "save_every",
+            "keep_checkpoints",
+            "keep_steps",
+            "log_every",
+            "num_threads",
+        ):
             d.pop(key, None)
         # fields added later are left out at their defaults, so older runs keep their fingerprint
         if d.get("encoder_init") == "random":

@@ -377,6 +377,7 @@ class _Run:
                 state,
                 rngs,
                 keep=cfg.keep_checkpoints,
+                keep_steps=cfg.keep_steps,
             )
             if cfg.snapshot_dir:
                 self.inner.eval()
