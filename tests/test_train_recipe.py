@@ -108,15 +108,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
 
     from cepe.training.config import RUN_CONTROL_FIELDS
 
-    for key in (
-        "output_dir",
-        "progress",
-        "save_every",
-        "keep_checkpoints",
-        "keep_steps",
-        "log_every",
-        "num_threads",
-    ):
+    for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
         d.pop(key, None)
     for key in RUN_CONTROL_FIELDS:
         d.pop(key, None)

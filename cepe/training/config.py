@@ -29,6 +29,7 @@ RUN_CONTROL_FIELDS = (
     "profile_steps",
     "peak_seconds",
     "stop_after",
+    "keep_steps",
 )
 
 
@@ -226,8 +227,6 @@ class TrainConfig:
         bf16: bf16 autocast (fp32 losses): ``true``, ``false`` or ``"auto"`` (bf16 where its matmuls are
             faster than fp32 on the training device, see :mod:`cepe.compute`). gradient_checkpointing: recompute activations in backward.
         save_every, keep_checkpoints, log_every, seed, progress, num_threads: as named.
-        keep_steps: checkpoints at these steps are never rotated out (``keep_checkpoints`` counts the
-            others): a later stage that starts from a step before the end finds it after the run.
 
     Speed and run control (none of these changes the losses; they are not part of :meth:`fingerprint`):
         reference_path: run the plain computations (autocast casts the frozen weights every call, full
@@ -240,6 +239,8 @@ class TrainConfig:
         stop_after: checkpoint and end the process after this step, the schedule still spanning ``steps``
             (a run spread over sessions, or arms compared at the same step); resume it later with a later
             ``stop_after`` or none. None = run to ``steps``.
+        keep_steps: checkpoints at these steps are never rotated out (``keep_checkpoints`` counts the
+            others): a later stage that starts from a step before the end finds it after the run.
     """
 
     stage: str
@@ -304,7 +305,6 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     save_every: int = 50
     keep_checkpoints: int = 2
-    keep_steps: tuple[int, ...] = ()
     log_every: int = 1
     seed: int = 0
     progress: bool = True
@@ -316,6 +316,7 @@ class TrainConfig:
     profile_steps: int = 0
     peak_seconds: float = 0.5
     stop_after: int | None = None
+    keep_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -550,15 +551,7 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """A hash of everything that changes the computed losses (not paths, logging or step counts)."""
         d = self.to_dict()
-        for key in (
-            "output_dir",
-            "progress",
-            "save_every",
-            "keep_checkpoints",
-            "keep_steps",
-            "log_every",
-            "num_threads",
-        ):
+        for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
             d.pop(key, None)
         # fields added later are left out at their defaults, so older runs keep their fingerprint
         if d.get("encoder_init") == "random":
