@@ -1,0 +1,155 @@
+"""Summarise the short route's stages (docs/TRAINING.md, "The short route" and "Recall again after the
+decision, then questions") into results/recipe/short_route.{json,md,png}: per stage-end checkpoint, the
+copy probe, the validation needle (greedy accuracy and answer NLL), validation perplexity, the reported
+needle, ICL and QA, read from the result folders the documented commands wrote
+(results/recipe/NAME/stepNNN/{copy,calibrate.json,needle_encoder,icl,qa}). A missing result is left blank.
+
+Usage: python scripts/route_report.py [OUT_DIR]   (default results/recipe)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path("results/recipe")
+# the route's stage ends, in training order: (stage, step)
+ROUTE = [
+    ("fast_direct_copy", 100),
+    ("fast_direct_recall2", 120),
+    ("fast_direct_8kd", 100),
+    ("fast_direct_mixed", 40),
+    ("fast_direct_reread", 80),
+    ("fast_direct_reread2", 60),
+    ("fast_direct_qa", 40),
+    ("fast_direct_qa2", 40),
+]
+TOTALS = (2048, 4096, 8192)
+DECODER_ALONE_LM_VAL_1K = 19.42  # the frozen decoder on lm_val.yaml at 1K (docs/TRAINING.md)
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _fmt(values: list[float | None], digits: int = 1) -> str:
+    return " / ".join("" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def stage_row(stage: str, step: int) -> dict:
+    """One checkpoint's numbers (``None`` where its result was not written)."""
+    d = ROOT / stage / f"step{step:03d}"
+    row: dict = {"stage": stage, "step": step}
+    copy = _load(d / "copy" / "copy.json")
+    if copy:
+        for order in ("natural", "shuffled"):
+            row[f"copy_{order}"] = [
+                next(
+                    (r["value"] for r in copy["rows"] if r["setting"] == {"domain": dom, "order": order}),
+                    None,
+                )
+                for dom in ("essays", "papers", "code")
+            ]
+    cal = _load(d / "calibrate.json")
+    if cal:
+        c = cal["rows"][0]
+        row["val_needle"] = [c.get(f"needle_{t}") for t in TOTALS]
+        row["val_answer_nll"] = [c.get(f"needle_nll_{t}") for t in TOTALS]
+        row["lm_val"] = [c.get("lm_val_1024"), c.get("lm_val_2048")]
+    needle = _load(d / "needle_encoder" / "needle.json")
+    if needle:
+        rows = [r for r in needle["rows"] if r["method"] == "cepe"]
+        row["needle"] = [
+            statistics.mean(r["value"] for r in rows if r["setting"]["total"] == t) for t in TOTALS
+        ]
+        row["needle_mean"] = statistics.mean(r["value"] for r in rows)
+    for task, key in (("icl", "k_encoder"), ("qa", "k")):
+        res = _load(d / task / f"{task}.json")
+        if res:
+            row[task] = {str(r["setting"][key]): r["value"] for r in res["rows"] if r["method"] == "cepe"}
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    head = (
+        "| checkpoint | copy natural (essays / papers / code) | copy shuffled | validation needle 2K / 4K / 8K "
+        "(%) | answer NLL 2K / 4K / 8K | `lm_val` 1K / 2K | reported needle 2K / 4K / 8K (%) | reported mean "
+        "| ICL 2+4 / 2+8 | QA k = 2 / 5 / 10 |"
+    )
+    out = [head, "|" + "---|" * 10]
+    for r in rows:
+        icl, qa = r.get("icl", {}), r.get("qa", {})
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{r['stage']}` step {r['step']}",
+                    _fmt(r.get("copy_natural", [])),
+                    _fmt(r.get("copy_shuffled", [])),
+                    _fmt(r.get("val_needle", []), 0),
+                    _fmt(r.get("val_answer_nll", []), 2),
+                    _fmt(r.get("lm_val", [])),
+                    _fmt(r.get("needle", []), 0),
+                    "" if "needle_mean" not in r else f"{r['needle_mean']:.0f}",
+                    _fmt([icl.get(k) for k in ("4", "8")], 0) if icl else "",
+                    _fmt([qa.get(k) for k in ("2", "5", "10")], 0) if qa else "",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    labels = [f"{r['stage'].removeprefix('fast_direct_')}\n{r['step']}" for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+
+    def series(key, fn):
+        return [fn(r[key]) if key in r else float("nan") for r in rows]
+
+    a.plot(x, series("needle_mean", float), "o-", label="reported needle (mean of 15 cells)")
+    a.plot(x, series("val_needle", statistics.mean), "s--", label="validation needle (mean of 15)")
+    a.axhline(90, color="grey", lw=0.8, ls=":", label="target 90 %")
+    a.set_ylabel("accuracy (%)")
+    a.set_ylim(-5, 105)
+    b.plot(x, series("lm_val", lambda v: v[0]), "o-", label="CEPE, lm_val 1K")
+    b.axhline(DECODER_ALONE_LM_VAL_1K, color="grey", lw=0.8, ls=":", label="decoder alone")
+    b.set_ylabel("validation perplexity")
+    b.set_ylim(bottom=15)
+    for ax in (a, b):
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle("The short route: stage ends (default decoder, held-out and validation sets)")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
+def main(out: Path) -> None:
+    rows = [stage_row(s, n) for s, n in ROUTE if (ROOT / s / f"step{n:03d}").is_dir()]
+    if not rows:
+        raise SystemExit(f"no stage results under {ROOT}/: run the route's probes first (docs/TRAINING.md)")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("short_route.json", json.dumps(rows, indent=2) + "\n"),
+        ("short_route.md", markdown(rows)),
+    ):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    plot(rows, out / "short_route.png")
+    print(f"wrote {out}/short_route.{{json,md,png}} ({len(rows)} checkpoints)")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
