@@ -25,6 +25,7 @@ ROUTE = [
     ("fast_direct_reread2", 60),
     ("fast_direct_qa", 40),
     ("fast_direct_qa2", 40),
+    ("fast_direct_qa_teach", 30),
 ]
 TOTALS = (2048, 4096, 8192)
 DECODER_ALONE_LM_VAL_1K = 19.42  # the frozen decoder on lm_val.yaml at 1K (docs/TRAINING.md)
