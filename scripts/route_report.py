@@ -14,6 +14,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from recipe_report import copy_columns  # scripts/ is on the path when this file is run
+
+from cepe.fileio import atomic_path
+
 ROOT = Path("results/recipe")
 # the route's stage ends, in training order: (stage, step)
 ROUTE = [
@@ -28,7 +32,8 @@ ROUTE = [
     ("fast_direct_qa_teach", 30),
 ]
 TOTALS = (2048, 4096, 8192)
-DECODER_ALONE_LM_VAL_1K = 19.42  # the frozen decoder on lm_val.yaml at 1K (docs/TRAINING.md)
+# the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
+DECODER_ALONE_LM_VAL_1K = 19.42
 
 
 def _load(path: Path) -> dict | None:
@@ -43,16 +48,7 @@ def stage_row(stage: str, step: int) -> dict:
     """One checkpoint's numbers (``None`` where its result was not written)."""
     d = ROOT / stage / f"step{step:03d}"
     row: dict = {"stage": stage, "step": step}
-    copy = _load(d / "copy" / "copy.json")
-    if copy:
-        for order in ("natural", "shuffled"):
-            row[f"copy_{order}"] = [
-                next(
-                    (r["value"] for r in copy["rows"] if r["setting"] == {"domain": dom, "order": order}),
-                    None,
-                )
-                for dom in ("essays", "papers", "code")
-            ]
+    row.update(copy_columns(d / "copy" / "copy.json", "cepe"))
     cal = _load(d / "calibrate.json")
     if cal:
         c = cal["rows"][0]
@@ -87,8 +83,8 @@ def markdown(rows: list[dict]) -> str:
             + " | ".join(
                 [
                     f"`{r['stage']}` step {r['step']}",
-                    _fmt(r.get("copy_natural", [])),
-                    _fmt(r.get("copy_shuffled", [])),
+                    r.get("copy ppl natural (essays / papers / code)", ""),
+                    r.get("copy ppl shuffled (essays / papers / code)", ""),
                     _fmt(r.get("val_needle", []), 0),
                     _fmt(r.get("val_answer_nll", []), 2),
                     _fmt(r.get("lm_val", [])),
@@ -131,9 +127,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle("The short route: stage ends (default decoder, held-out and validation sets)")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 def main(out: Path) -> None:
@@ -145,9 +140,8 @@ def main(out: Path) -> None:
         ("short_route.json", json.dumps(rows, indent=2) + "\n"),
         ("short_route.md", markdown(rows)),
     ):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        with atomic_path(out / name) as tmp:
+            tmp.write_text(text)
     plot(rows, out / "short_route.png")
     print(f"wrote {out}/short_route.{{json,md,png}} ({len(rows)} checkpoints)")
 
