@@ -91,6 +91,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_templates",
         "qa_inline",
         "qa_span",
+        "qa_span_tokens",
         "icl_scored",
         "icl_arbitrary",
         "icl_align",
@@ -116,6 +117,8 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_inline=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, icl_arbitrary=1.0).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, qa_span_tokens=[3, 10]).fingerprint() == cfg.fingerprint()
+    assert _cfg(tmp_path, qa_span_tokens=[8, 32]).fingerprint() != cfg.fingerprint()
 
 
 def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
@@ -523,6 +526,38 @@ def test_qa_span_facts_copy_the_encoders_own_text():
     r = random.Random(5)
     facts = [make_fact(r).fact for _ in range(r.randint(1, 4))]  # the draws of a run without qa_span
     assert bytes(off[1][off[2] != -100].tolist()).decode().removesuffix("\n") in facts
+
+
+def test_qa_span_tokens_sets_the_length_of_free_form_values(tmp_path):
+    """qa_span_tokens: values of ``[min, max]`` tokens, crossing sentence ends inside the answer when long;
+    the answer still restates the planted fact and ends the turn once; bad bounds are refused."""
+    import random
+
+    from cepe.training.synthetic_qa import ByteCodec, qa_example, span_value
+
+    text = ("One clause ends here. Another, longer one follows it; then a third. " * 8).encode()[:512]
+    stream = list(text)
+    tok = ByteCodec()
+    r = random.Random(0)
+    lengths = [len(v) for v in (span_value(stream, r, tok, (40, 60)) for _ in range(50)) if v]
+    assert lengths and min(lengths) >= 30 and max(lengths) <= 60
+    assert any("." in v for v in (span_value(stream, r, tok, (40, 60)) for _ in range(20)) if v)
+    short = [span_value(stream, r, tok) for _ in range(50)]
+    assert max(len(v) for v in short if v) <= 10
+    enc = torch.tensor(stream).reshape(8, 64)
+    dec = torch.full((240,), ord("x"))
+    crossed = 0
+    for seed in range(12):
+        new_enc, ids, labels, _ = qa_example(
+            enc, dec, random.Random(seed), "d", 259, span=1.0, span_tokens=(40, 60)
+        )
+        answer = bytes(ids[labels != -100].tolist()).decode()
+        assert answer in bytes(new_enc.flatten().tolist()).decode(errors="replace")
+        crossed += answer.rstrip(".").count(".") > 0
+    assert crossed > 0  # some answers hold a sentence end before their last one
+    for bad in ([10, 3], [0, 4], [5]):
+        with pytest.raises(ValueError, match="qa_span_tokens"):
+            _mixed(tmp_path, qa_span_tokens=bad)
 
 
 def test_training_facts_are_not_the_evaluations_templates():

@@ -189,6 +189,9 @@ class TrainConfig:
             no demonstration of that class).
         qa_span: mixed stage: the probability that a planted fact's value is a few tokens of the encoder's
             own text (a free-form value to copy, as a needle's is) rather than a word from the fact lists.
+        qa_span_tokens: mixed stage, with ``qa_span``: ``[min, max]`` tokens of such a value (``[3, 10]``,
+            one short clause). Longer values cross clause and sentence ends inside the answer, so the
+            answer does not learn to stop at the first one.
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -282,6 +285,7 @@ class TrainConfig:
     qa_templates: int = 6
     qa_inline: float = 0.0
     qa_span: float = 0.0
+    qa_span_tokens: list[int] = field(default_factory=lambda: [3, 10])
     icl_scored: int = 0
     icl_arbitrary: float = 0.5
     icl_align: bool = False
@@ -500,6 +504,10 @@ class TrainConfig:
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
+        _check(
+            len(self.qa_span_tokens) == 2 and 1 <= int(self.qa_span_tokens[0]) <= int(self.qa_span_tokens[1]),
+            f"qa_span_tokens must be [min, max] with 1 <= min <= max, got {self.qa_span_tokens}",
+        )
         _check(self.icl_scored >= 0, f"icl_scored must be >= 0 (0 = every label), got {self.icl_scored}")
         _check(0.0 <= self.icl_arbitrary <= 1.0, f"icl_arbitrary must be in [0, 1], got {self.icl_arbitrary}")
         _check(
@@ -571,6 +579,8 @@ class TrainConfig:
                 d.pop(key, None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
+        if list(d.get("qa_span_tokens") or []) == [3, 10]:
+            d.pop("qa_span_tokens", None)
         for key in (
             "qa_inline",
             "qa_span",

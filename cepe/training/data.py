@@ -325,6 +325,7 @@ def mixed_example(
             templates=cfg.qa_templates,
             inline=inline,
             span=cfg.qa_span,
+            span_tokens=tuple(cfg.qa_span_tokens),
         )
     elif kind == "icl":
         import random

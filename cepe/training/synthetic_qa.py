@@ -168,9 +168,12 @@ def make_span_fact(r: random.Random, value: str) -> Fact:
     )
 
 
-def span_value(stream: list[int], r: random.Random, tok: Any) -> str | None:
-    """A few tokens of ``stream`` at a random place, as one line of text (None if nothing readable)."""
-    k = r.randint(*SPAN_TOKENS)
+def span_value(
+    stream: list[int], r: random.Random, tok: Any, tokens: tuple[int, int] = SPAN_TOKENS
+) -> str | None:
+    """``tokens`` = ``(min, max)`` tokens of ``stream`` at a random place, as one line of text (None if
+    nothing readable)."""
+    k = r.randint(*tokens)
     at = r.randrange(0, max(1, len(stream) - k))
     for j in range(at, min(at + 8, len(stream) - k)):  # start at a word's start where one is near
         if tok.decode(stream[j : j + 1]).startswith(" "):
@@ -254,6 +257,7 @@ def qa_example(
     templates: int = NUM_TEMPLATES,
     inline: bool = False,
     span: float = 0.0,
+    span_tokens: tuple[int, int] = SPAN_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
@@ -261,7 +265,8 @@ def qa_example(
     ``" " + fact`` right after a token that ends a sentence (``.``, ``!``, ``?``), the fact's own tokens
     as the answer spells them; a text with no sentence end (code) gets its facts on their own lines.
     With ``span`` > 0 each fact is, with that probability, one whose value is a few tokens of the
-    encoder's own text (:func:`make_span_fact`) instead of a word from the lists.
+    encoder's own text (:func:`make_span_fact`) instead of a word from the lists, ``span_tokens`` =
+    ``(min, max)`` tokens long.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -274,7 +279,7 @@ def qa_example(
     stream = enc.reshape(-1).tolist()
     facts = []
     for _ in range(r.randint(1, max_facts)):
-        value = span_value(stream, r, tok) if span and r.random() < span else None  # no draw at 0
+        value = span_value(stream, r, tok, span_tokens) if span and r.random() < span else None  # no draw at 0
         facts.append(make_span_fact(r, value) if value else make_fact(r, templates))
     asked = r.randrange(len(facts))
     m = len(stream)
