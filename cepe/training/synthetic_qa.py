@@ -279,7 +279,9 @@ def qa_example(
     stream = enc.reshape(-1).tolist()
     facts = []
     for _ in range(r.randint(1, max_facts)):
-        value = span_value(stream, r, tok, span_tokens) if span and r.random() < span else None  # no draw at 0
+        value = (
+            span_value(stream, r, tok, span_tokens) if span and r.random() < span else None
+        )  # no draw at 0
         facts.append(make_span_fact(r, value) if value else make_fact(r, templates))
     asked = r.randrange(len(facts))
     m = len(stream)
