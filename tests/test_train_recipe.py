@@ -92,6 +92,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_inline",
         "qa_span",
         "qa_span_tokens",
+        "qa_compound",
         "icl_scored",
         "icl_arbitrary",
         "icl_align",
@@ -119,6 +120,8 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, icl_arbitrary=1.0).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_span_tokens=[3, 10]).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_span_tokens=[8, 32]).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, qa_compound=0.0).fingerprint() == cfg.fingerprint()
+    assert _cfg(tmp_path, qa_compound=0.5).fingerprint() != cfg.fingerprint()
 
 
 def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
@@ -560,6 +563,42 @@ def test_qa_span_tokens_sets_the_length_of_free_form_values(tmp_path):
             _mixed(tmp_path, qa_span_tokens=bad)
 
 
+def test_qa_compound_facts_answer_with_the_whole_sentence(tmp_path):
+    """qa_compound: two facts in one planted sentence, asked about the first; the answer restates the whole
+    sentence (both clauses) with its attention targets on the planted copy; 0 draws nothing."""
+    import random
+
+    from cepe.training.synthetic_qa import Fact, compound_fact, make_fact, qa_example
+
+    f = compound_fact(
+        Fact("Mara Olsen was born in Porto.", "Where was Mara Olsen born?"), make_fact(random.Random(1))
+    )
+    assert (
+        f.fact.startswith("Mara Olsen was born in Porto, and ") and f.question == "Where was Mara Olsen born?"
+    )
+    named = compound_fact(f, Fact("Kofi Varga owns 12 books.", "?"))
+    assert named.fact.endswith(", and Kofi Varga owns 12 books.")  # a name keeps its capital
+    lower = compound_fact(f, Fact("The access code for the mill in Fez is 4471.", "?"))
+    assert lower.fact.endswith(", and the access code for the mill in Fez is 4471.")
+    words = "amber quokka lattice verdant pylon mosaic".split()
+    text = " ".join(words[i % 6] + str(i) for i in range(300)).encode()[:1024]
+    enc = torch.tensor(list(text)).reshape(8, 128)  # room for four two-clause facts
+    dec = torch.full((240,), ord("x"))
+    for seed in range(6):
+        new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, compound=1.0)
+        answer = bytes(ids[labels != -100].tolist()).decode().removesuffix("\n")
+        assert ", and " in answer and answer.count(".") >= 1
+        assert answer in bytes(new_enc.flatten().tolist()).decode(errors="replace")
+        pos = (align >= 0).nonzero().flatten()
+        assert len(pos) > 0 and torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
+    plain = [qa_example(enc, dec, random.Random(s), "d", 259) for s in range(3)]
+    zero = [qa_example(enc, dec, random.Random(s), "d", 259, compound=0.0) for s in range(3)]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, zero))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="qa_compound"):
+            _mixed(tmp_path, qa_compound=bad)
+
+
 def test_training_facts_are_not_the_evaluations_templates():
     """The QA / RULER evaluations plant "The <attribute> of <person> is <value>." with four attributes,
     and the needle tasks their own sentences; training facts never take those forms."""
@@ -568,11 +607,12 @@ def test_training_facts_are_not_the_evaluations_templates():
 
     from cepe.eval.tasks.needle import Config as NeedleConfig
     from cepe.eval.tasks.qa import _ATTRIBUTES as QA_ATTRIBUTES
-    from cepe.training.synthetic_qa import make_fact, make_span_fact
+    from cepe.training.synthetic_qa import compound_fact, make_fact, make_span_fact
 
     r = random.Random(0)
     facts = [make_fact(r) for _ in range(500)] + [make_fact(r, 6) for _ in range(100)]
     spans = [make_span_fact(r, v) for v in ("of the house is empty", "is the colour of", "secret") * 20]
+    spans += [compound_fact(make_fact(r), make_fact(r)) for _ in range(200)]
     attrs = {a for a, _ in QA_ATTRIBUTES}
     needle = NeedleConfig()
     for f in facts:

@@ -192,6 +192,9 @@ class TrainConfig:
         qa_span_tokens: mixed stage, with ``qa_span``: ``[min, max]`` tokens of such a value (``[3, 10]``,
             one short clause). Longer values cross clause and sentence ends inside the answer, so the
             answer does not learn to stop at the first one.
+        qa_compound: mixed stage: the probability that a planted fact is two facts in one sentence joined
+            by ", and " (the second from the word lists), asked about the first: the answer restates the
+            whole sentence, reading on past the clause that answers the question.
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -286,6 +289,7 @@ class TrainConfig:
     qa_inline: float = 0.0
     qa_span: float = 0.0
     qa_span_tokens: list[int] = field(default_factory=lambda: [3, 10])
+    qa_compound: float = 0.0
     icl_scored: int = 0
     icl_arbitrary: float = 0.5
     icl_align: bool = False
@@ -504,6 +508,7 @@ class TrainConfig:
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
+        _check(0.0 <= self.qa_compound <= 1.0, f"qa_compound must be in [0, 1], got {self.qa_compound}")
         _check(
             len(self.qa_span_tokens) == 2 and 1 <= int(self.qa_span_tokens[0]) <= int(self.qa_span_tokens[1]),
             f"qa_span_tokens must be [min, max] with 1 <= min <= max, got {self.qa_span_tokens}",
@@ -584,6 +589,7 @@ class TrainConfig:
         for key in (
             "qa_inline",
             "qa_span",
+            "qa_compound",
             "context_drop",
             "icl_scored",
             "chunk_lengths",

@@ -326,6 +326,7 @@ def mixed_example(
             inline=inline,
             span=cfg.qa_span,
             span_tokens=tuple(cfg.qa_span_tokens),
+            compound=cfg.qa_compound,
         )
     elif kind == "icl":
         import random

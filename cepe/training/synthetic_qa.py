@@ -136,6 +136,16 @@ def _more_facts(kind: int, p: str, r: random.Random) -> Fact:
     return Fact(s, f"Who is the captain of the ship {ship}?")
 
 
+def compound_fact(first: Fact, second: Fact) -> Fact:
+    """One sentence of two clauses: ``first``'s fact, ", and ", then ``second``'s (its opening word in lower
+    case unless it is a name); the question is ``first``'s, so the answer restates the whole sentence and
+    goes on past the clause that answers it, as a needle's answer does."""
+    head, rest = second.fact.split(" ", 1)
+    if head not in FIRST:
+        head = head.lower()
+    return Fact(f"{first.fact.rstrip('.')}, and {head} {rest}", first.question)
+
+
 SPAN_TOKENS = (3, 10)
 
 
@@ -258,6 +268,7 @@ def qa_example(
     inline: bool = False,
     span: float = 0.0,
     span_tokens: tuple[int, int] = SPAN_TOKENS,
+    compound: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
@@ -266,7 +277,8 @@ def qa_example(
     as the answer spells them; a text with no sentence end (code) gets its facts on their own lines.
     With ``span`` > 0 each fact is, with that probability, one whose value is a few tokens of the
     encoder's own text (:func:`make_span_fact`) instead of a word from the lists, ``span_tokens`` =
-    ``(min, max)`` tokens long.
+    ``(min, max)`` tokens long. With ``compound`` > 0 each fact is, with that probability, two facts in
+    one sentence (:func:`compound_fact`; the second from the word lists), asked about its first clause.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -282,7 +294,10 @@ def qa_example(
         value = (
             span_value(stream, r, tok, span_tokens) if span and r.random() < span else None
         )  # no draw at 0
-        facts.append(make_span_fact(r, value) if value else make_fact(r, templates))
+        fact = make_span_fact(r, value) if value else make_fact(r, templates)
+        if compound and r.random() < compound:  # no draw at 0
+            fact = compound_fact(fact, make_fact(r, templates))
+        facts.append(fact)
     asked = r.randrange(len(facts))
     m = len(stream)
     nl = tok.encode("\n", add_special_tokens=False)
