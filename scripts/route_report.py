@@ -30,6 +30,9 @@ ROUTE = [
     ("fast_direct_qa", 40),
     ("fast_direct_qa2", 40),
     ("fast_direct_qa_teach", 30),
+    ("fast_direct_qa_long", 40),
+    ("fast_direct_qa_teach_held", 30),
+    ("fast_direct_qa_compound", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
