@@ -112,8 +112,8 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     x = list(range(len(rows)))
-    labels = [f"{r['stage'].removeprefix('fast_direct_')}\n{r['step']}" for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [f"{r['stage'].removeprefix('fast_direct_')} {r['step']}" for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5.2))
 
     def series(key, fn):
         return [fn(r[key]) if key in r else float("nan") for r in rows]
@@ -128,7 +128,7 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set_ylabel("validation perplexity")
     b.set_ylim(bottom=15)
     for ax in (a, b):
-        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_xticks(x, labels, fontsize=7, rotation=45, ha="right")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("The short route: stage ends (default decoder, held-out and validation sets)")
