@@ -118,7 +118,11 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_inline=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, icl_arbitrary=1.0).fingerprint() != cfg.fingerprint()
-    assert _cfg(tmp_path, qa_span_tokens=[3, 10]).fingerprint() == cfg.fingerprint()
+    from cepe.training.config import QA_SPAN_TOKENS
+    from cepe.training.synthetic_qa import SPAN_TOKENS
+
+    assert tuple(QA_SPAN_TOKENS) == SPAN_TOKENS  # the config's default is the generator's
+    assert _cfg(tmp_path, qa_span_tokens=list(SPAN_TOKENS)).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_span_tokens=[8, 32]).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_compound=0.0).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_compound=0.5).fingerprint() != cfg.fingerprint()

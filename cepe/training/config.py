@@ -21,6 +21,7 @@ from cepe.fileio import write_json
 STAGES = ("mlm", "warmup", "cepe", "ceped")
 SYNTHETIC_KINDS = ("random", "distinct", "motif")
 TASK_KINDS = ("lm", "copy", "recall", "qa", "icl")  # example kinds of a mixed CEPE stage (TrainConfig.tasks)
+QA_SPAN_TOKENS = [3, 10]  # default length of free-form planted values (synthetic_qa.SPAN_TOKENS)
 # Fields that change how fast or how safely a run goes but not its losses: left out of the fingerprint.
 RUN_CONTROL_FIELDS = (
     "reference_path",
@@ -190,8 +191,7 @@ class TrainConfig:
         qa_span: mixed stage: the probability that a planted fact's value is a few tokens of the encoder's
             own text (a free-form value to copy, as a needle's is) rather than a word from the fact lists.
         qa_span_tokens: mixed stage, with ``qa_span``: ``[min, max]`` tokens of such a value (``[3, 10]``,
-            one short clause). Longer values cross clause and sentence ends inside the answer, so the
-            answer does not learn to stop at the first one.
+            one short clause; longer values cross clause and sentence ends inside the answer).
         qa_compound: mixed stage: the probability that a planted fact is two facts in one sentence joined
             by ", and " (the second from the word lists), asked about the first: the answer restates the
             whole sentence, reading on past the clause that answers the question.
@@ -288,7 +288,7 @@ class TrainConfig:
     qa_templates: int = 6
     qa_inline: float = 0.0
     qa_span: float = 0.0
-    qa_span_tokens: list[int] = field(default_factory=lambda: [3, 10])
+    qa_span_tokens: list[int] = field(default_factory=lambda: list(QA_SPAN_TOKENS))
     qa_compound: float = 0.0
     icl_scored: int = 0
     icl_arbitrary: float = 0.5
@@ -584,7 +584,7 @@ class TrainConfig:
                 d.pop(key, None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
-        if list(d.get("qa_span_tokens") or []) == [3, 10]:
+        if list(d.get("qa_span_tokens") or []) == QA_SPAN_TOKENS:
             d.pop("qa_span_tokens", None)
         for key in (
             "qa_inline",

@@ -291,9 +291,8 @@ def qa_example(
     stream = enc.reshape(-1).tolist()
     facts = []
     for _ in range(r.randint(1, max_facts)):
-        value = (
-            span_value(stream, r, tok, span_tokens) if span and r.random() < span else None
-        )  # no draw at 0
+        drawn = span and r.random() < span  # no draw at 0: older runs unchanged
+        value = span_value(stream, r, tok, span_tokens) if drawn else None
         fact = make_span_fact(r, value) if value else make_fact(r, templates)
         if compound and r.random() < compound:  # no draw at 0
             fact = compound_fact(fact, make_fact(r, templates))
