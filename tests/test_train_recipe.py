@@ -50,6 +50,33 @@ def test_frozen_encoder_trains_only_cross_attention(tmp_path):
     assert len(params) == sum(1 for _ in model.cross_attention_modules()) * 5
 
 
+def test_train_only_moves_the_named_weights_and_nothing_else(tmp_path):
+    over = dict(
+        encoder_init="decoder", encoder={"num_hidden_layers": 1}, cepe={"null_key": True, "init_mode": "copy"}
+    )
+    cfg = _cfg(tmp_path, train_only=["null_key"], optim={"lr": 1e-2}, **over)
+    model = build_model(cfg)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.endswith("cross_attn.null_key") for n in trained)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    from cepe.modeling import CepeForCausalLM
+    from cepe.training.models import build_decoder
+
+    out = train(cfg)
+    after = dict(CepeForCausalLM.from_pretrained(out, decoder=build_decoder(cfg)).named_parameters())
+    moved = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    assert moved == trained  # every null key moved, no other weight did
+
+
+def test_train_only_rejects_a_part_that_matches_nothing(tmp_path):
+    with pytest.raises(ValueError, match="train_only entry 'nul_key' matches no trainable parameter"):
+        build_model(
+            _cfg(tmp_path, encoder_init="decoder", encoder={"num_hidden_layers": 1}, train_only=["nul_key"])
+        )
+    with pytest.raises(ValueError, match="non-empty list"):
+        _cfg(tmp_path, train_only=[])
+
+
 def test_shuffle_and_span_layout(tmp_path):
     plain = _cfg(tmp_path)
     shuffled = _cfg(tmp_path, data={**TINY["data"], "shuffle": 1.0})
@@ -78,6 +105,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "encoder_init",
         "warmup_decoder_tokens",
         "freeze_encoder",
+        "train_only",
         "align_coef",
         "align_heads",
         "align_layers",
@@ -116,6 +144,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         d.pop(key, None)
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert _cfg(tmp_path, freeze_encoder=True).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, train_only=["null_key"]).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_inline=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, icl_arbitrary=1.0).fingerprint() != cfg.fingerprint()
     from cepe.training.config import QA_SPAN_TOKENS
@@ -195,6 +224,23 @@ def test_cost_model_counts_the_decoder_span(tmp_path):
     assert flops["encoder_tokens"] == cfg.batch_size * cfg.warmup_tokens
     full = step_flops(_cfg(tmp_path), build_model(_cfg(tmp_path)))
     assert full["decoder_tokens"] == cfg.batch_size * cfg.warmup_tokens and full["total"] > flops["total"]
+
+
+def test_cost_model_skips_the_backward_of_frozen_parts(tmp_path):
+    """A frozen encoder gets no backward; frozen cross-attention weights cost input gradients only."""
+    from cepe.training.speed import step_flops
+
+    over = dict(encoder_init="decoder", encoder={"num_hidden_layers": 1}, cepe={"null_key": True})
+    costs = {}
+    for name, extra in (
+        ("all", {}),
+        ("frozen_encoder", {"freeze_encoder": True}),
+        ("null", {"train_only": ["null_key"]}),
+    ):
+        cfg = _cfg(tmp_path, **over, **extra)
+        costs[name] = step_flops(cfg, build_model(cfg))
+    assert costs["all"]["forward"] == costs["frozen_encoder"]["forward"] == costs["null"]["forward"]
+    assert costs["all"]["backward"] > costs["frozen_encoder"]["backward"] > costs["null"]["backward"] > 0
 
 
 def _mixed(tmp_path, **over):

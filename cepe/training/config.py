@@ -146,6 +146,9 @@ class TrainConfig:
             seeded random place of the encoder's n tokens (it must find the span among the k chunks:
             retrieval, not only copying); None = the whole n (the paper's duplicate task).
         freeze_encoder: train only the cross-attention (the encoder keeps its initial weights).
+        train_only: train only the parameters whose names contain one of these strings (for example
+            ``[null_key]``: the "no match" keys alone; ``[cross_attn.o_proj, null_key]``); every other
+            adapter weight keeps its initial value. None = all adapter weights train.
         align_coef, align_heads, align_layers: copy warmup only: add ``align_coef`` × the mean negative log
             attention probability with which the first ``align_heads`` cross-attention heads of
             ``align_layers`` (None = all) attend, from decoder position t, to the encoder position of token
@@ -268,6 +271,7 @@ class TrainConfig:
     warmup_chunks: int = 4
     warmup_decoder_tokens: int | None = None
     freeze_encoder: bool = False
+    train_only: list[str] | None = None
     align_coef: float = 0.0
     align_heads: int = 3
     align_layers: list[int] | None = None
@@ -354,6 +358,18 @@ class TrainConfig:
             _check(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(0.0 < self.mask_rate < 1.0, f"mask_rate must be in (0, 1), got {self.mask_rate}")
         _check(self.align_coef >= 0, f"align_coef must be >= 0, got {self.align_coef}")
+        if self.train_only is not None:
+            _check(
+                self.stage != "mlm",
+                "train_only selects adapter weights (encoder and cross-attention); the mlm stage trains its "
+                "whole model: remove train_only",
+            )
+            _check(
+                isinstance(self.train_only, list)
+                and len(self.train_only) > 0
+                and all(isinstance(x, str) and x for x in self.train_only),
+                f"train_only must be a non-empty list of parameter-name parts, got {self.train_only!r}",
+            )
         _check(self.align_heads > 0, f"align_heads must be positive, got {self.align_heads}")
         if self.align_coef > 0:
             _check(
@@ -571,7 +587,7 @@ class TrainConfig:
             d.pop("encoder_init")
         if not d["data"].get("shuffle"):
             d["data"].pop("shuffle", None)
-        for key in ("warmup_decoder_tokens", "freeze_encoder", "align_coef"):
+        for key in ("warmup_decoder_tokens", "freeze_encoder", "train_only", "align_coef"):
             if not d.get(key):
                 d.pop(key, None)
         if d.get("tasks") is None:

@@ -149,7 +149,26 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     model.encoder.float()
     if cfg.freeze_encoder:
         model.encoder.requires_grad_(False)
+    if cfg.train_only:
+        select_trainable(model, cfg.train_only)
     return model
+
+
+def select_trainable(model: nn.Module, parts: list[str]) -> None:
+    """Freeze every trainable parameter whose name contains none of ``parts`` (``TrainConfig.train_only``).
+
+    Raises ``ValueError`` when a part matches no trainable parameter (a typo would silently freeze all)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for part in parts:
+        if not any(part in n for n, _ in named):
+            examples = sorted({n.split(".")[-1] for n, _ in named})
+            raise ValueError(
+                f"train_only entry {part!r} matches no trainable parameter; names end in {examples} "
+                f"(e.g. {named[0][0] if named else 'none'})"
+            )
+    for n, p in named:
+        if not any(part in n for part in parts):
+            p.requires_grad_(False)
 
 
 def set_encoder_causal(model: CepeForCausalLM, causal: bool) -> None:

@@ -156,7 +156,9 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     the ``states`` mode training uses), the encoder on the chunks. Backward: trainable modules cost twice
     their forward (input and weight gradients); the frozen decoder costs its forward again (input
     gradients only; attention scores twice) above its lowest cross-attention layer, that layer's MLP and
-    the head; layers below it get no backward. The MLM stage: the encoder and its head, three times forward.
+    the head; layers below it get no backward. A frozen encoder (``freeze_encoder``, ``train_only``) gets
+    no backward; cross-attention with frozen weights costs its input gradients only (the decoder side
+    once, the keys and values not at all when Φ needs no gradient either). The MLM stage: the encoder and its head, three times forward.
 
     Returns:
         ``{"forward", "backward", "total", "attention", "decoder_tokens", "encoder_tokens"}`` per step;
@@ -204,8 +206,21 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     e_att = 4 * k * chunk * chunk * enc.heads * enc.head_dim * enc.layers
     fwd_lin = dec.layers * linear + head + x_lin + e_lin
     fwd_att = dec.layers * attn + x_att + e_att
-    bwd_lin = above * linear + (mlp if layers else 0) + head + 2 * (x_lin + e_lin)
-    bwd_att = above * 2 * attn + 2 * (x_att + e_att)
+    # what needs gradients: the encoder (train_only / freeze_encoder may hold it) and the cross-attention
+    # weights; the decoder stream always needs input gradients above the lowest cross-attention layer
+    enc_grad = any(p.requires_grad for p in model.encoder.parameters())
+    x_weight_grad = any(
+        lin.weight.requires_grad
+        for m in model.cross_attention_modules()
+        for lin in m.modules()
+        if isinstance(lin, nn.Linear)
+    )
+    kv_grad = enc_grad or x_weight_grad
+    x_q = len(layers) * 2 * n * 2 * dec.hidden * hq  # q_proj and o_proj on the decoder stream
+    x_kv = len(layers) * 2 * s * 2 * enc.hidden * hkv  # k_proj and v_proj on Φ
+    x_bwd = x_q * (2 if x_weight_grad else 1) + x_kv * (int(enc_grad) + int(x_weight_grad))
+    bwd_lin = above * linear + (mlp if layers else 0) + head + x_bwd + 2 * e_lin * int(enc_grad)
+    bwd_att = above * 2 * attn + x_att * (2 if kv_grad else 1) + 2 * e_att * int(enc_grad)
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
         share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
@@ -226,7 +241,7 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
 COST_MODEL = (
     "matmul FLOPs only (2 per multiply-add): forward = frozen decoder layers + head on every decoder "
     "token, cross-attention with keys projected, encoder chunks; backward = 2x forward for the trainable "
-    "encoder and cross-attention, 1x forward (attention 2x) for frozen decoder layers above the lowest "
+    "encoder and cross-attention (frozen ones: input gradients only), 1x forward (attention 2x) for frozen decoder layers above the lowest "
     "cross-attention layer, its MLP and the head; no backward below it; an online CEPED teacher adds "
     "the decoder's forward over context + decoder tokens (up to its positions; times the share of examples "
     "it runs for)"
