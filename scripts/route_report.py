@@ -37,6 +37,8 @@ ROUTE = [
     ("fast_direct_qa_teach_held3", 30),
     ("fast_direct_qa_teach_held_fast", 30),
     ("fast_direct_held_reread", 20),
+    ("fast_direct_null_teach", 30),
+    ("fast_direct_lm512", 20),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The probes every stage end of the recipe route gets (docs/TRAINING.md tables): the reported needle from
+# the encoder (needle_encoder.yaml), the copy probe, the validation needle with its answer NLL and the
+# validation perplexity (calibrate_context_scale.sh at scale 1); with FULL=1 also ICL (2 + 4 / 2 + 8) and
+# QA (k = 2 / 5 / 10). Results: results/recipe/NAME/stepNNN/. Run with nothing training on the same cores.
+# Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+NAME=$1; STEP=$2
+ADAPTER=runs/recipe/$NAME/checkpoints/step_$(printf "%06d" "$STEP")/adapter
+OUT=results/recipe/$NAME/step$(printf "%03d" "$STEP")
+[ -d "$ADAPTER" ] || { echo "no adapter at $ADAPTER: train the stage first (bash scripts/train_chain.sh $NAME)" >&2; exit 2; }
+mkdir -p "$OUT"
+ev() { cepe eval "$1" --model "$ADAPTER" --config "configs/eval/$2.yaml" --methods cepe --autocast auto \
+  --no-progress --out "$OUT/$3" "${@:4}" > "$OUT/$3.log" 2>&1; }
+ev needle needle_encoder needle_encoder
+ev copy copy copy
+ICL_VAL=0 bash scripts/calibrate_context_scale.sh "$ADAPTER" "$OUT" 1 > "$OUT/calibrate.log" 2>&1
+if [ "${FULL:-0}" = 1 ]; then
+  ev icl icl icl --batch-size 1
+  ev qa qa qa --batch-size 1
+fi
+python - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = json.load(open(f"{out}/needle_encoder/needle.json"))["rows"]
+by = {}
+for r in rows:
+    by.setdefault(r["setting"]["total"], []).append(r["value"])
+print("reported needle", {k: round(sum(v) / len(v)) for k, v in sorted(by.items())},
+      "mean", round(sum(sum(v) for v in by.values()) / sum(len(v) for v in by.values())))
+print(open(f"{out}/calibrate.md").read().strip().splitlines()[-1])
+PY
