@@ -121,6 +121,10 @@ class CepeConfig:
             on such tokens instead of always adding a mix of context values (beyond the released code:
             its checkpoint layout has no such parameter). The ``absorbed`` cache then projects keys as
             ``states`` does (same result).
+        token_gate: a per-token strength for every cross-attention head, ``2·σ(w·RMSNorm(h) + b)`` from the
+            layer's normed decoder state, zero-initialised (exactly 1: an adapter gains it without changing
+            its function), so a token can read less of the context where nothing in it helps (beyond the
+            released code: its checkpoint layout has no such parameter).
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -142,6 +146,7 @@ class CepeConfig:
     share_embeddings: bool = False
     mirror_self_attention: bool = False
     null_key: bool = False
+    token_gate: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -147,6 +147,7 @@ class CrossAttention(nn.Module):
         gated: bool = False,
         qk_norm: bool = False,
         null_key: bool = False,
+        token_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -169,6 +170,13 @@ class CrossAttention(nn.Module):
         # that finds nothing in the context can put its attention there, and the head adds less (only
         # its softmax share over the real keys): head h's output is attn(real keys) · σ(lse − q·n_h).
         self.null_key = nn.Parameter(torch.zeros(num_kv_heads, head_dim)) if null_key else None
+        # A per-token, per-head strength (``CepeConfig.token_gate``): head h's output is scaled by
+        # 2·σ(w_h·RMSNorm(h_t) + b_h), exactly 1 at its zero init, so each token can read less (or more)
+        # of the context than the head's fixed strength gives.
+        self.token_gate = nn.Linear(decoder_hidden, num_heads, bias=True) if token_gate else None
+        if self.token_gate is not None:
+            nn.init.zeros_(self.token_gate.weight)
+            nn.init.zeros_(self.token_gate.bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -184,7 +192,8 @@ class CrossAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
         """``hidden`` ``(B, T, D_dec)`` (residual stream after self-attention) -> update ``(B, T, D_dec)``."""
         b, t, _ = hidden.shape
-        q = self.q_proj(self.layernorm(hidden)).view(b, t, self.num_heads, self.head_dim)
+        normed = self.layernorm(hidden)
+        q = self.q_proj(normed).view(b, t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = q.transpose(1, 2)  # (B, H, T, hd)
@@ -221,6 +230,8 @@ class CrossAttention(nn.Module):
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
+        if self.token_gate is not None:  # (B, T, H) -> (B, H, T, 1)
+            out = out * (2 * torch.sigmoid(self.token_gate(normed))).to(out.dtype).transpose(1, 2)[..., None]
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if ctx.out_scale != 1.0:
             out = out * ctx.out_scale
@@ -297,6 +308,9 @@ class CrossAttention(nn.Module):
             self.gate.zero_()
         if self.null_key is not None:
             self.null_key.zero_()
+        if self.token_gate is not None:
+            self.token_gate.weight.zero_()
+            self.token_gate.bias.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)
             if mine is not None:

@@ -59,6 +59,7 @@ class CepeForCausalLM(nn.Module):
             self._slot,
             gated=cepe_config.init_mode == "gate",
             null_key=cepe_config.null_key,
+            token_gate=cepe_config.token_gate,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -179,6 +180,20 @@ class CepeForCausalLM(nn.Module):
                 w = m.q_proj.weight
                 m.null_key = nn.Parameter(torch.zeros(m.num_kv, m.head_dim, device=w.device, dtype=w.dtype))
         self.cepe_config.null_key = True
+
+    def enable_token_gate(self) -> None:
+        """Give every cross-attention layer its per-token head strengths (``CepeConfig.token_gate``), zero,
+        to an adapter trained without them (a zero gate is exactly 1: the function is unchanged).
+        Idempotent."""
+        for m in self.cross_attention_modules():
+            if m.token_gate is None:
+                w = m.q_proj.weight
+                gate = nn.Linear(w.shape[1], m.num_heads, bias=True, device=w.device, dtype=w.dtype)
+                with torch.no_grad():
+                    gate.weight.zero_()
+                    gate.bias.zero_()
+                m.token_gate = gate
+        self.cepe_config.token_gate = True
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``)."""

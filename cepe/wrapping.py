@@ -129,6 +129,7 @@ def attach_cross_attention(
     slot: ContextSlot,
     gated: bool = False,
     null_key: bool = False,
+    token_gate: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -157,6 +158,7 @@ def attach_cross_attention(
             layer_idx=i,
             gated=gated,
             null_key=null_key,
+            token_gate=token_gate,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

@@ -131,7 +131,8 @@ class TrainConfig:
             switches the adapter's encoder between causal and bidirectional attention within a chunk.
         cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...). With
             ``init_adapter`` they are ignored, except ``null_key: true``, which adds zero "no match" keys
-            to an adapter trained without them.
+            to an adapter trained without them, and ``token_gate: true``, which adds per-token head
+            strengths (zero: the adapter's function unchanged).
         init_encoder: an MLM stage output directory; the encoder starts from it (warmup).
         encoder_init: ``"random"`` (an encoder of its own, sized by ``encoder``) or ``"decoder"``: the
             encoder is a copy of the decoder's first ``encoder.num_hidden_layers`` layers (default 4) at

@@ -119,6 +119,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.cepe_config.chunk_length = cfg.stage_chunk_length
         if cfg.cepe.get("null_key") and not model.cepe_config.null_key:
             model.enable_null_key()  # a stage that adds "no match" keys to an adapter trained without
+        if cfg.cepe.get("token_gate") and not model.cepe_config.token_gate:
+            model.enable_token_gate()  # per-token head strengths added to an adapter trained without
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:

@@ -210,10 +210,9 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     # weights; the decoder stream always needs input gradients above the lowest cross-attention layer
     enc_grad = any(p.requires_grad for p in model.encoder.parameters())
     x_weight_grad = any(
-        lin.weight.requires_grad
+        getattr(m, name).weight.requires_grad
         for m in model.cross_attention_modules()
-        for lin in m.modules()
-        if isinstance(lin, nn.Linear)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj")
     )
     kv_grad = enc_grad or x_weight_grad
     x_q = len(layers) * 2 * n * 2 * dec.hidden * hq  # q_proj and o_proj on the decoder stream

@@ -1,0 +1,160 @@
+"""Per-token head strengths (``CepeConfig.token_gate``): head h's output times 2·σ(w_h·RMSNorm(h_t) + b_h)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+
+from cepe import CepeForCausalLM
+
+
+def _ids(b: int = 2, t: int = 7) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(5))
+
+
+def _gated(seed: int = 3, **kw) -> CepeForCausalLM:
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(token_gate=True, **kw)).eval()
+    randomize_cross(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.token_gate.weight.copy_(torch.randn(m.token_gate.weight.shape, generator=g))
+            m.token_gate.bias.copy_(torch.randn(m.token_gate.bias.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_layer_output_by_hand(impl):
+    model = _gated(attn_implementation=impl)
+    enc_ids, enc_mask = random_context(2, 3)
+    ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache="states")
+    m = model.cross_attention_modules()[0]
+    hidden = torch.randn(2, 5, m.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = m(hidden, ctx)
+        gate, m.token_gate = m.token_gate, None
+        b, t = hidden.shape[:2]
+        # the plain layer's heads, before o_proj: o_proj is linear, so undo it by running heads one at a time
+        w = m.o_proj.weight.clone()
+        hd = m.head_dim
+        want = torch.zeros_like(got)
+        strength = 2 * torch.sigmoid(gate(m.layernorm(hidden)))  # (B, T, H)
+        for h in range(m.num_heads):
+            m.o_proj.weight.zero_()
+            m.o_proj.weight[:, h * hd : (h + 1) * hd] = w[:, h * hd : (h + 1) * hd]
+            want += m(hidden, ctx) * strength[..., h : h + 1]
+        m.o_proj.weight.copy_(w)
+        m.token_gate = gate
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_gate_is_exactly_the_adapter_without_it():
+    """Fresh (zero) token gates give 2·σ(0) = 1: the same logits as the same weights without them, and
+    enable_token_gate adds them to a trained adapter without changing its function."""
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+    randomize_cross(plain)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        before = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        plain.enable_token_gate()
+        plain.enable_token_gate()  # idempotent
+        after = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert plain.cepe_config.token_gate
+    assert torch.equal(before, after)
+    fresh = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(token_gate=True, init_mode="gate"))
+    assert all(
+        not m.token_gate.weight.any() and not m.token_gate.bias.any() for m in fresh.cross_attention_modules()
+    )
+
+
+def test_gate_changes_the_function_and_invariants_hold():
+    model = _gated()
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        ref = tiny_decoder()(ids).logits
+        assert torch.equal(model(ids).logits, ref)  # no context: exactly the decoder
+        for m in model.cross_attention_modules():
+            m.token_gate.weight.zero_()
+            m.token_gate.bias.zero_()
+        b = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (a - b).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_cache_modes_agree_with_token_gates(impl):
+    model = _gated(attn_implementation=impl, null_key=True)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2] = False
+    outs, logits = {}, {}
+    for mode in ("kv", "states", "absorbed"):
+        outs[mode] = model.generate(
+            ids,
+            encoder_input_ids=enc_ids,
+            encoder_attention_mask=enc_mask,
+            max_new_tokens=6,
+            do_sample=False,
+            cross_attention_cache=mode,
+            pad_token_id=0,
+        )
+        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        with torch.no_grad():
+            logits[mode] = model(ids, cross_context=ctx).logits
+    assert torch.equal(outs["kv"], outs["states"]) and torch.equal(outs["kv"], outs["absorbed"])
+    assert (logits["kv"] - logits["states"]).abs().max().item() < 1e-4
+    assert (logits["kv"] - logits["absorbed"]).abs().max().item() < 1e-4
+
+
+def test_token_gate_saves_and_loads(tmp_path):
+    model = _gated()
+    model.save_pretrained(tmp_path)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path, decoder=tiny_decoder()).eval()
+    assert loaded.cepe_config.token_gate
+    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
+        assert torch.equal(a.token_gate.weight, b.token_gate.weight) and torch.equal(
+            a.token_gate.bias, b.token_gate.bias
+        )
+    with pytest.raises(ValueError):  # an adapter with token gates does not fit a model without them
+        CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).load_adapter_state_dict(
+            model.adapter_state_dict()
+        )
+
+
+def test_a_stage_adds_token_gates_and_trains_only_them(tmp_path):
+    """``cepe: {token_gate: true}`` over an ``init_adapter`` trained without, with ``train_only: [token_gate]``:
+    zero gates that train, every other adapter weight unchanged."""
+    import yaml
+
+    from cepe.training.config import load_config
+    from cepe.training.models import build_decoder
+    from cepe.training.trainer import train
+
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(steps=2, progress=False, encoder_init="decoder", encoder={"num_hidden_layers": 1})
+    d["cepe"] = {**(d.get("cepe") or {}), "init_mode": "copy"}
+    first = train(load_config({**d, "output_dir": str(tmp_path / "first")}))
+    dec = lambda: build_decoder(load_config({**d, "output_dir": "unused"}))  # noqa: E731
+    start = CepeForCausalLM.from_pretrained(first, decoder=dec())
+    assert not start.cepe_config.token_gate
+    cfg = load_config(
+        {
+            **d,
+            "output_dir": str(tmp_path / "run"),
+            "init_adapter": str(first),
+            "cepe": {"token_gate": True},
+            "train_only": ["token_gate"],
+            "optim": {"lr": 1e-2},
+        }
+    )
+    trained = CepeForCausalLM.from_pretrained(train(cfg), decoder=dec())
+    assert trained.cepe_config.token_gate
+    before = start.adapter_state_dict()
+    after = trained.adapter_state_dict()
+    moved = {k for k in after if k not in before or not torch.equal(before[k], after[k])}
+    assert moved and all(".token_gate." in k for k in moved)
+    assert any(m.token_gate.weight.abs().sum() > 0 for m in trained.cross_attention_modules())
