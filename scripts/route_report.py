@@ -39,6 +39,9 @@ ROUTE = [
     ("fast_direct_held_reread", 20),
     ("fast_direct_null_teach", 30),
     ("fast_direct_lm512", 20),
+    ("fast_direct_null_teach2", 30),
+    ("fast_direct_tgate", 30),
+    ("fast_direct_tgate2", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
