@@ -42,6 +42,7 @@ ROUTE = [
     ("fast_direct_null_teach2", 30),
     ("fast_direct_tgate", 30),
     ("fast_direct_tgate2", 40),
+    ("fast_direct_tgate512", 15),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
