@@ -500,22 +500,12 @@ class CepeForCausalLM(nn.Module):
         """
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
-        out = Path(save_directory)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
-        try:
-            tensors = {k: v.detach().contiguous() for k, v in self.adapter_state_dict().items()}
-            metadata = {"format": "pt", "cepe": "adapter"}
-            if quantize == "int8":
-                tensors = quantize_int8_rowwise(tensors)
-                metadata["cepe_quant"] = QUANT_METADATA
-            save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata=metadata)
-            os.chmod(tmp / ADAPTER_WEIGHTS, 0o666 & ~umask())  # as `open` would create it, not 0600
-            self.cepe_config.save(tmp / ADAPTER_CONFIG)
-            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-                os.replace(tmp / name, out / name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        tensors = {k: v.detach().contiguous() for k, v in self.adapter_state_dict().items()}
+        metadata = {"format": "pt", "cepe": "adapter"}
+        if quantize == "int8":
+            tensors = quantize_int8_rowwise(tensors)
+            metadata["cepe_quant"] = QUANT_METADATA
+        write_adapter_dir(save_directory, tensors, self.cepe_config, metadata)
 
     def load_adapter_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load added weights strictly: missing, unexpected or mis-shaped keys raise ``ValueError``."""
@@ -595,6 +585,29 @@ def decoder_logits(decoder: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def write_adapter_dir(
+    save_directory: str | os.PathLike[str],
+    tensors: dict[str, torch.Tensor],
+    config: CepeConfig,
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """Write an adapter directory (``adapter_model.safetensors`` + ``cepe_config.json``) atomically: both
+    files are written into a temporary directory and moved into place, so a crash never leaves a
+    half-written adapter. Returns the directory."""
+    out = Path(save_directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
+    try:
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata=metadata or {"format": "pt", "cepe": "adapter"})
+        os.chmod(tmp / ADAPTER_WEIGHTS, 0o666 & ~umask())  # as `open` would create it, not 0600
+        config.save(tmp / ADAPTER_CONFIG)
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def load_adapter_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from .fileio import umask
-from .modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file
+from .config import CepeConfig
+from .modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file, write_adapter_dir
 
 
 def _config(path: Path) -> dict:
@@ -69,16 +66,5 @@ def average_adapters(
             raise ValueError(f"{p} holds other tensors than {paths[0]} (names or shapes differ)")
         for k, t in tensors.items():
             total[k] += wi * t.float()
-    dest = Path(out)
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest))
-    try:
-        tensors = {k: v.to(dtypes[k]).contiguous() for k, v in total.items()}
-        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt", "cepe": "adapter"})
-        os.chmod(tmp / ADAPTER_WEIGHTS, 0o666 & ~umask())
-        shutil.copyfile(paths[0] / ADAPTER_CONFIG, tmp / ADAPTER_CONFIG)
-        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-            os.replace(tmp / name, dest / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    tensors = {k: v.to(dtypes[k]).contiguous() for k, v in total.items()}
+    return write_adapter_dir(out, tensors, CepeConfig.load(paths[0] / ADAPTER_CONFIG))
