@@ -125,6 +125,11 @@ class CepeConfig:
             layer's normed decoder state, zero-initialised (exactly 1: an adapter gains it without changing
             its function), so a token can read less of the context where nothing in it helps (beyond the
             released code: its checkpoint layout has no such parameter).
+        match_gate: a per-token strength for every cross-attention head from how strongly its query matches
+            the context: ``2·σ(a·m + c·κ̂ + b)``, with m the log-mean-exp of the head's scores over the real
+            keys and κ̂ = (log n − entropy) / log n its attention's concentration (no gradient flows through
+            m and κ̂), added to the token gate's logit when both are on; zero-initialised (exactly 1), so
+            reading can depend on whether anything in the context matches (beyond the released code).
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -147,6 +152,7 @@ class CepeConfig:
     mirror_self_attention: bool = False
     null_key: bool = False
     token_gate: bool = False
+    match_gate: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 

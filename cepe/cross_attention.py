@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .layers import ATTENTION_KERNELS, RMSNorm, norm_scale
+from .layers import ATTENTION_KERNELS, RMSNorm, attention_sdpa, norm_scale
 
 
 @dataclass
@@ -38,6 +38,7 @@ class CrossContext:
         has_context: ``(B, 1, 1)`` 1.0 where the example has at least one real key, else 0.0; None = all.
         out_scale: multiplier on every layer's output (``CepeConfig.context_scale``).
         kv: per-layer cache of projected ``(K, V)`` (mode ``"kv"``).
+        match_kv: per-layer cache of the match-strength keys (``CepeConfig.match_gate``, mode ``"kv"``).
     """
 
     states: torch.Tensor
@@ -49,6 +50,7 @@ class CrossContext:
     out_scale: float = 1.0
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     align: AlignProbe | None = None
+    match_kv: dict[int, MatchKeys] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -128,6 +130,110 @@ def align_nll(
     return -picked.sum() / (valid.sum() * h).clamp_min(1)
 
 
+MATCH_LOGIT_BOUND = 50.0  # |m| is clamped here: beyond it a gate's sigmoid is saturated anyway
+
+
+def _match_features(m: torch.Tensor, e_s: torch.Tensor, log_n: torch.Tensor) -> torch.Tensor:
+    """``(m, κ̂)`` ``(B, H, T, 2)`` from the log-mean-exp ``m`` and the expected score ``E_p[s]``."""
+    m = m.clamp(-MATCH_LOGIT_BOUND, MATCH_LOGIT_BOUND)
+    denom = log_n.clamp_min(math.log(2.0))[:, None, None]  # (B, 1, 1)
+    return torch.stack([m, (e_s - m) / denom], dim=-1)
+
+
+@torch.no_grad()
+def match_stats_ref(
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """How strongly each head's query matches the context: the reference (explicit fp32 scores).
+
+    For head h at token t with scores ``s_j = scale·q·k_j`` over the n real keys and ``p = softmax(s)``:
+    ``m = logsumexp(s) − log n`` (the log-mean-exp: about 0 for scores that are all alike, large where a
+    few keys stand out) and ``κ̂ = (log n − H(p)) / log n`` (the attention's concentration: 0 for uniform
+    attention, 1 for all of it on one key). Carries no gradient (a sensor for ``CepeConfig.match_gate``).
+
+    Args:
+        q: ``(B, H, T, hd)``; k: ``(B, KV, S, hd)``; key_mask: ``(B, S)`` bool or None.
+
+    Returns:
+        ``(B, H, T, 2)`` fp32: ``(m, κ̂)``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale  # (B, H, T, S)
+    if key_mask is None:
+        n = torch.full((q.shape[0],), k.shape[2], device=q.device)
+    else:
+        n = key_mask.sum(-1)
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    log_n = n.clamp_min(1).float().log()  # (B,)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    e_s = (p * scores.masked_fill(p == 0, 0.0)).sum(-1)
+    return _match_features(lse - log_n[:, None, None], e_s, log_n)
+
+
+@dataclass
+class MatchKeys:
+    """The keys and values that give :func:`match_stats_sdpa` its statistics from one fused attention.
+
+    Real key j is ``[k_j, 0, 0]`` with value ``[k_j, 1, 0]``; key 0 is a "mean" key ``[0, 1, 0]`` with value
+    ``[0, 0, 1]`` whose score is ``log n`` (the query carries ``log n / scale`` in that slot). Its attention
+    share is then ``σ(−m)``, the real keys' share ``σ(m)``, and their value sum ``σ(m)·E_p[k]``.
+
+    Attributes:
+        k, v: ``(B, KV, 1 + S, hd + 2)`` fp32.
+        mask: ``(B, 1 + S)`` bool or None.
+        log_n: ``(B,)`` log of the number of real keys (at least 1).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    log_n: torch.Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, k: torch.Tensor, key_mask: torch.Tensor | None) -> MatchKeys:
+        """From the real keys ``(B, KV, S, hd)`` and their mask ``(B, S)``."""
+        b, kvh, s, hd = k.shape
+        kf = k.float()
+        mean_k = kf.new_zeros(b, kvh, 1, hd + 2)
+        mean_k[..., hd] = 1.0
+        mean_v = kf.new_zeros(b, kvh, 1, hd + 2)
+        mean_v[..., hd + 1] = 1.0
+        zeros, ones = kf.new_zeros(b, kvh, s, 1), kf.new_ones(b, kvh, s, 1)
+        ka = torch.cat([mean_k, torch.cat([kf, zeros, zeros], dim=-1)], dim=2).contiguous()
+        va = torch.cat([mean_v, torch.cat([kf, ones, zeros], dim=-1)], dim=2).contiguous()
+        if key_mask is None:
+            n = torch.full((b,), s, device=k.device)
+            mask = None
+        else:
+            n = key_mask.sum(-1)
+            mask = torch.cat([key_mask.new_ones(b, 1), key_mask], dim=1)
+        return cls(ka, va, mask, n.clamp_min(1).float().log())
+
+
+@torch.no_grad()
+def match_stats_sdpa(q: torch.Tensor, keys: MatchKeys, scale: float) -> torch.Tensor:
+    """:func:`match_stats_ref` from one fused attention over :class:`MatchKeys` (no ``(T, S)`` scores kept).
+
+    Args:
+        q: ``(B, H, T, hd)``.
+
+    Returns:
+        ``(B, H, T, 2)`` fp32: ``(m, κ̂)``.
+    """
+    b, h, t, hd = q.shape
+    qf = q.float()
+    slot = (keys.log_n / scale)[:, None, None, None].expand(b, h, t, 1)
+    qa = torch.cat([qf, slot, qf.new_zeros(b, h, t, 1)], dim=-1)
+    o = attention_sdpa(qa, keys.k, keys.v, keys.mask, scale)  # (B, H, T, hd + 2)
+    real = o[..., hd].clamp_min(1e-30)  # σ(m)
+    mean = o[..., hd + 1].clamp_min(1e-30)  # σ(−m)
+    e_s = scale * (qf * o[..., :hd]).sum(-1) / real
+    return _match_features(real.log() - mean.log(), e_s, keys.log_n)
+
+
 class CrossAttention(nn.Module):
     """One cross-attention block; returns the update ``o_proj(attn(...))`` to add to the residual stream.
 
@@ -148,6 +254,7 @@ class CrossAttention(nn.Module):
         qk_norm: bool = False,
         null_key: bool = False,
         token_gate: bool = False,
+        match_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -177,6 +284,15 @@ class CrossAttention(nn.Module):
         if self.token_gate is not None:
             nn.init.zeros_(self.token_gate.weight)
             nn.init.zeros_(self.token_gate.bias)
+        # A per-token, per-head strength from how strongly the head's query matches the context
+        # (``CepeConfig.match_gate``): head h's output is scaled by 2·σ(a_h·m + c_h·κ̂ + b_h) (its logit added
+        # to the token gate's), from the log-mean-exp m of its scores and its attention's concentration κ̂
+        # (:func:`match_stats_ref`), each standardised by ``match_norm``; rows (a, c, b), zero: exactly 1 at
+        # init.
+        self.match_gate = nn.Parameter(torch.zeros(num_heads, 3)) if match_gate else None
+        if match_gate:
+            self.add_match_norm()
+        self.match_record: list[torch.Tensor] | None = None  # set by CepeForCausalLM.calibrate_match_gate
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -200,7 +316,13 @@ class CrossAttention(nn.Module):
         if ctx.q_scale is not None:
             q = q * ctx.q_scale.to(q.dtype)  # scales every score of that example
         key_mask = ctx.key_mask
-        if ctx.mode == "absorbed" and self.k_norm is None and self.null_key is None:
+        match = None
+        if (
+            ctx.mode == "absorbed"
+            and self.k_norm is None
+            and self.null_key is None
+            and self.match_gate is None
+        ):
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:
             if ctx.mode == "kv" and not torch.is_grad_enabled():
@@ -222,6 +344,8 @@ class CrossAttention(nn.Module):
                 nulled = False
             if ctx.align is not None and ctx.align.wants(self.layer_idx):  # over the real keys
                 ctx.align.losses.append(align_nll(q, k[:, :, int(nulled) :], key_mask, self.scale, ctx.align))
+            if self.match_gate is not None:  # over the real keys too
+                match = self.match_stats(q, k[:, :, int(nulled) :], key_mask, ctx)
             if nulled:  # the cache holds it already; the mask gains its column
                 if key_mask is not None:
                     key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], 1), key_mask], dim=1)
@@ -230,7 +354,17 @@ class CrossAttention(nn.Module):
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
-        if self.token_gate is not None:  # (B, T, H) -> (B, H, T, 1)
+        if match is not None:  # (B, H, T) logits, fp32
+            if self.match_record is not None:  # rows with context only: (H, rows·T, 2)
+                rows = match if ctx.has_context is None else match[ctx.has_context[:, 0, 0] > 0]
+                self.match_record.append(rows.transpose(0, 1).reshape(self.num_heads, -1, 2))
+            w, norm = self.match_gate.float(), self.match_norm.float()
+            feats = (match - norm[None, :, None, 0::2]) / norm[None, :, None, 1::2]
+            logit = (feats * w[None, :, None, :2]).sum(-1) + w[None, :, None, 2]
+            if self.token_gate is not None:
+                logit = logit + self.token_gate(normed).float().transpose(1, 2)
+            out = out * (2 * torch.sigmoid(logit)).to(out.dtype)[..., None]
+        elif self.token_gate is not None:  # (B, T, H) -> (B, H, T, 1)
             out = out * (2 * torch.sigmoid(self.token_gate(normed))).to(out.dtype).transpose(1, 2)[..., None]
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if ctx.out_scale != 1.0:
@@ -238,6 +372,25 @@ class CrossAttention(nn.Module):
         if ctx.has_context is not None:
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
+
+    def add_match_norm(self) -> None:
+        """The match gate's feature standardisation ``(H, 4)``: rows ``(μ_m, σ_m, μ_κ, σ_κ)``, a saved
+        buffer (``(0, 1, 0, 1)``: the raw features, until ``CepeForCausalLM.calibrate_match_gate``)."""
+        w = self.q_proj.weight
+        norm = torch.tensor([0.0, 1.0, 0.0, 1.0], device=w.device, dtype=w.dtype).repeat(self.num_heads, 1)
+        self.register_buffer("match_norm", norm)
+
+    def match_stats(
+        self, q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, ctx: CrossContext
+    ) -> torch.Tensor:
+        """``(m, κ̂)`` ``(B, H, T, 2)`` of the queries ``q`` against the real keys ``k`` (no gradient)."""
+        if ctx.impl == "eager":
+            return match_stats_ref(q, k, key_mask, self.scale)
+        if ctx.mode == "kv" and not torch.is_grad_enabled():
+            if self.layer_idx not in ctx.match_kv:
+                ctx.match_kv[self.layer_idx] = MatchKeys.build(k, key_mask)
+            return match_stats_sdpa(q, ctx.match_kv[self.layer_idx], self.scale)
+        return match_stats_sdpa(q, MatchKeys.build(k, key_mask), self.scale)
 
     def with_null_key(
         self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
@@ -311,6 +464,8 @@ class CrossAttention(nn.Module):
         if self.token_gate is not None:
             self.token_gate.weight.zero_()
             self.token_gate.bias.zero_()
+        if self.match_gate is not None:
+            self.match_gate.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)
             if mine is not None:

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ class CepeForCausalLM(nn.Module):
             gated=cepe_config.init_mode == "gate",
             null_key=cepe_config.null_key,
             token_gate=cepe_config.token_gate,
+            match_gate=cepe_config.match_gate,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -194,6 +195,50 @@ class CepeForCausalLM(nn.Module):
                     gate.bias.zero_()
                 m.token_gate = gate
         self.cepe_config.token_gate = True
+
+    def enable_match_gate(self) -> None:
+        """Give every cross-attention layer its match-strength head gates (``CepeConfig.match_gate``), zero,
+        to an adapter trained without them (a zero gate is exactly 1: the function is unchanged).
+        Idempotent."""
+        for m in self.cross_attention_modules():
+            if m.match_gate is None:
+                w = m.q_proj.weight
+                m.match_gate = nn.Parameter(torch.zeros(m.num_heads, 3, device=w.device, dtype=w.dtype))
+                m.add_match_norm()
+        self.cepe_config.match_gate = True
+
+    @torch.no_grad()
+    def calibrate_match_gate(self, run: Callable[[], Any], min_std: float = 1e-3) -> dict[int, torch.Tensor]:
+        """Standardise the match gates' features on real inputs: ``run()`` makes forward passes with
+        context (the training stage's first micro-batches, say); every head's ``match_norm`` becomes the
+        mean and standard deviation of its ``(m, κ̂)`` over the decoder tokens of rows with context, so that
+        its gate weights see features of unit scale around zero (the gate's bias then sets its strength and
+        its weights only how it differs from token to token). Meant for fresh (zero) gates, which are 1
+        whatever the norms, so one pass sees every layer's own statistics. Returns ``{layer: (H, 4) norms}``.
+        """
+        mods = self.cross_attention_modules()
+        if not self.cepe_config.match_gate:
+            raise ValueError("calibrate_match_gate needs match gates: enable_match_gate() first")
+        for m in mods:
+            m.match_record = []
+        try:
+            run()
+            out = {}
+            for m in mods:
+                if not m.match_record:
+                    raise ValueError(
+                        f"calibrate_match_gate: layer {m.layer_idx} saw no decoder token with context; "
+                        "run() must make forward passes with encoder inputs"
+                    )
+                x = torch.cat(m.match_record, dim=1)  # (H, N, 2)
+                mean, std = x.mean(1), x.std(1).clamp_min(min_std)  # (H, 2)
+                norm = torch.stack([mean[:, 0], std[:, 0], mean[:, 1], std[:, 1]], dim=1)
+                m.match_norm.copy_(norm.to(m.match_norm.dtype))
+                out[m.layer_idx] = norm
+            return out
+        finally:
+            for m in mods:
+                m.match_record = None
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``)."""

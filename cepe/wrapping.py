@@ -130,6 +130,7 @@ def attach_cross_attention(
     gated: bool = False,
     null_key: bool = False,
     token_gate: bool = False,
+    match_gate: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -159,6 +160,7 @@ def attach_cross_attention(
             gated=gated,
             null_key=null_key,
             token_gate=token_gate,
+            match_gate=match_gate,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

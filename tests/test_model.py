@@ -292,12 +292,17 @@ def test_packed_keys_match_unpacked():
     assert (a - b).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("null_key,token_gate", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    "null_key,token_gate,match_gate",
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+)
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_cache_modes_agree(impl, null_key, token_gate):
+def test_cache_modes_agree(impl, null_key, token_gate, match_gate):
     """With null keys: kv caches them with K/V; absorbed falls back to projected keys. With token gates
     (randomised by randomize_cross like every cross-attention weight) every mode scales its heads alike."""
-    cfg = tiny_cepe_config(attn_implementation=impl, null_key=null_key, token_gate=token_gate)
+    cfg = tiny_cepe_config(
+        attn_implementation=impl, null_key=null_key, token_gate=token_gate, match_gate=match_gate
+    )
     model = CepeForCausalLM.from_decoder(tiny_decoder(), cfg).eval()
     randomize_cross(model)
     ids = _ids()

@@ -101,9 +101,18 @@ def test_token_gate_saves_and_loads(tmp_path):
         )
 
 
-def test_a_stage_adds_token_gates_and_trains_only_them(tmp_path):
-    """``cepe: {token_gate: true}`` over an ``init_adapter`` trained without, with ``train_only: [token_gate]``:
-    zero gates that train, every other adapter weight unchanged."""
+@pytest.mark.parametrize(
+    "gate,extra,parts",
+    [
+        ("token_gate", {}, (".token_gate.",)),
+        ("match_gate", {}, (".match_gate", ".match_norm")),
+        ("match_gate", {"match_gate_calibrate": 2}, (".match_gate", ".match_norm")),
+    ],
+)
+def test_a_stage_adds_gates_and_trains_only_them(tmp_path, gate, extra, parts):
+    """``cepe: {token_gate: true}`` (or ``match_gate``, its norms calibrated or not) over an ``init_adapter``
+    trained without, with ``train_only: [token_gate]``: zero gates that train, every other adapter weight
+    unchanged."""
     import yaml
 
     from cepe.training.config import load_config
@@ -117,21 +126,28 @@ def test_a_stage_adds_token_gates_and_trains_only_them(tmp_path):
     first = train(load_config({**d, "output_dir": str(tmp_path / "first")}))
     dec = lambda: build_decoder(load_config({**d, "output_dir": "unused"}))  # noqa: E731
     start = CepeForCausalLM.from_pretrained(first, decoder=dec())
-    assert not start.cepe_config.token_gate
+    assert not getattr(start.cepe_config, gate)
     cfg = load_config(
         {
             **d,
             "output_dir": str(tmp_path / "run"),
             "init_adapter": str(first),
-            "cepe": {"token_gate": True},
-            "train_only": ["token_gate"],
+            "cepe": {gate: True},
+            "train_only": [gate],
             "optim": {"lr": 1e-2},
+            **extra,
         }
     )
     trained = CepeForCausalLM.from_pretrained(train(cfg), decoder=dec())
-    assert trained.cepe_config.token_gate
+    assert getattr(trained.cepe_config, gate)
     before = start.adapter_state_dict()
     after = trained.adapter_state_dict()
     moved = {k for k in after if k not in before or not torch.equal(before[k], after[k])}
-    assert moved and all(".token_gate." in k for k in moved)
-    assert any(m.token_gate.weight.abs().sum() > 0 for m in trained.cross_attention_modules())
+    assert moved and all(any(p in k for p in parts) for k in moved)
+    if extra.get("match_gate_calibrate"):  # means and spreads of real statistics, not (0, 1, 0, 1)
+        norms = torch.stack([m.match_norm for m in trained.cross_attention_modules()])
+        assert torch.isfinite(norms).all() and (norms[..., 1::2] > 0).all()
+        assert (norms[..., 0] != 0).all() and (norms[..., 2] > 0).all() and (norms[..., 2] < 1).all()
+    gates = [getattr(m, gate) for m in trained.cross_attention_modules()]
+    weights = [w for g in gates for w in (g.parameters() if isinstance(g, torch.nn.Module) else [g])]
+    assert any(w.abs().sum() > 0 for w in weights)

@@ -131,8 +131,8 @@ class TrainConfig:
             switches the adapter's encoder between causal and bidirectional attention within a chunk.
         cepe: other ``CepeConfig`` fields (``num_cross_attn_layers``, ``init_mode``, ...). With
             ``init_adapter`` they are ignored, except ``null_key: true``, which adds zero "no match" keys
-            to an adapter trained without them, and ``token_gate: true``, which adds per-token head
-            strengths (zero: the adapter's function unchanged).
+            to an adapter trained without them, and ``token_gate: true`` / ``match_gate: true``, which add
+            per-token head strengths (zero: the adapter's function unchanged).
         init_encoder: an MLM stage output directory; the encoder starts from it (warmup).
         encoder_init: ``"random"`` (an encoder of its own, sized by ``encoder``) or ``"decoder"``: the
             encoder is a copy of the decoder's first ``encoder.num_hidden_layers`` layers (default 4) at
@@ -150,6 +150,9 @@ class TrainConfig:
         train_only: train only the parameters whose names contain one of these strings (for example
             ``[null_key]``: the "no match" keys alone; ``[cross_attn.o_proj, null_key]``); every other
             adapter weight keeps its initial value. None = all adapter weights train.
+        match_gate_calibrate: at a fresh start, standardise new match gates' features (``CepeConfig.match_gate``,
+            ``CepeForCausalLM.calibrate_match_gate``) on this many of the stage's first micro-batches
+            (no gradient); norms an ``init_adapter`` already calibrated are kept. 0 = off.
         align_coef, align_heads, align_layers: copy warmup only: add ``align_coef`` × the mean negative log
             attention probability with which the first ``align_heads`` cross-attention heads of
             ``align_layers`` (None = all) attend, from decoder position t, to the encoder position of token
@@ -273,6 +276,7 @@ class TrainConfig:
     warmup_decoder_tokens: int | None = None
     freeze_encoder: bool = False
     train_only: list[str] | None = None
+    match_gate_calibrate: int = 0
     align_coef: float = 0.0
     align_heads: int = 3
     align_layers: list[int] | None = None
@@ -371,6 +375,10 @@ class TrainConfig:
                 and all(isinstance(x, str) and x for x in self.train_only),
                 f"train_only must be a non-empty list of parameter-name parts, got {self.train_only!r}",
             )
+        _check(
+            self.match_gate_calibrate >= 0,
+            f"match_gate_calibrate must be >= 0, got {self.match_gate_calibrate}",
+        )
         _check(self.align_heads > 0, f"align_heads must be positive, got {self.align_heads}")
         if self.align_coef > 0:
             _check(
@@ -588,7 +596,13 @@ class TrainConfig:
             d.pop("encoder_init")
         if not d["data"].get("shuffle"):
             d["data"].pop("shuffle", None)
-        for key in ("warmup_decoder_tokens", "freeze_encoder", "train_only", "align_coef"):
+        for key in (
+            "warmup_decoder_tokens",
+            "freeze_encoder",
+            "train_only",
+            "match_gate_calibrate",
+            "align_coef",
+        ):
             if not d.get(key):
                 d.pop(key, None)
         if d.get("tasks") is None:

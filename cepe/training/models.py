@@ -121,6 +121,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_null_key()  # a stage that adds "no match" keys to an adapter trained without
         if cfg.cepe.get("token_gate") and not model.cepe_config.token_gate:
             model.enable_token_gate()  # per-token head strengths added to an adapter trained without
+        if cfg.cepe.get("match_gate") and not model.cepe_config.match_gate:
+            model.enable_match_gate()  # match-strength head gates added to an adapter trained without
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:

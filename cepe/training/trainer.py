@@ -579,8 +579,47 @@ def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
         + (f"; {run.compute_dtype} matmul peak {run.peak / 1e9:.0f} GFLOP/s" if run.peak else ""),
     )
     run.make = _example_maker(cfg, run.inner)
+    if run.start == 0 and cfg.match_gate_calibrate:
+        _calibrate_match_gate(run)
     run.recent = [(r["loss"], r.get("step_s", 0.0)) for r in read_log(out)][-10:]
     return run
+
+
+def _calibrate_match_gate(run: _Run) -> None:
+    """``match_gate_calibrate``: standardise fresh match-gate features on the stage's first micro-batches
+    (the same examples on every process, in eval mode, the random state untouched)."""
+    cfg, model = run.cfg, run.inner
+    if not getattr(model.cepe_config, "match_gate", False):
+        raise ValueError("match_gate_calibrate needs match gates: set cepe: {match_gate: true}")
+    fresh = all(
+        torch.equal(m.match_norm, torch.tensor([0.0, 1.0, 0.0, 1.0]).to(m.match_norm).repeat(m.num_heads, 1))
+        for m in model.cross_attention_modules()
+    )
+    if not fresh:
+        _print(run.main, "match gates: the init adapter's calibrated norms kept")
+        return
+
+    def forward() -> None:
+        mb = cfg.micro_batch_size
+        for i in range(cfg.match_gate_calibrate):
+            batch = collate([run.make(j) for j in range(i * mb, (i + 1) * mb)])
+            batch = {k: v.to(run.acc.device) for k, v in batch.items()}
+            batch.pop("index")
+            length = step_chunk_length(cfg, i // run.accum, i % run.accum)
+            if length is not None:
+                batch = regroup_chunks(batch, length)
+            run.module(batch)
+            run.stage_module.release()
+
+    model.eval()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        norms = model.calibrate_match_gate(forward)
+    mean = torch.stack(list(norms.values())).mean((0, 1)).tolist()
+    _print(
+        run.main,
+        f"match gates calibrated on {cfg.match_gate_calibrate} micro-batches: mean over heads "
+        f"m {mean[0]:.2f} ± {mean[1]:.2f}, κ̂ {mean[2]:.3f} ± {mean[3]:.3f}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- a step

@@ -1,0 +1,217 @@
+"""Match-strength head gates (``CepeConfig.match_gate``): head h's output times 2·σ(a_h·m + c_h·κ̂ + b_h),
+from the log-mean-exp m of its scores and its attention's concentration κ̂.
+
+The cache modes agree with match gates: ``tests/test_model.py::test_cache_modes_agree``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+
+from cepe import CepeForCausalLM
+from cepe.cross_attention import MatchKeys, match_stats_ref, match_stats_sdpa
+
+
+def _ids(b: int = 2, t: int = 7) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(5))
+
+
+def _qk(b=2, h=6, kv=2, t=5, s=40, hd=16, seed=0, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, hd, generator=g) * spread
+    k = torch.randn(b, kv, s, hd, generator=g)
+    return q, k
+
+
+def test_stats_by_hand():
+    """Equal scores: m is that score and κ̂ = 0; one key far above the rest: κ̂ near 1, m near s − log n."""
+    hd, n = 4, 10
+    q = torch.zeros(1, 1, 2, hd)
+    q[0, 0, 1, 0] = 40.0  # token 1 matches key 3 only
+    k = torch.zeros(1, 1, n, hd)
+    k[0, 0, :, 1] = 1.0
+    k[0, 0, 3, 0] = 1.0
+    got = match_stats_ref(q, k, None, scale=0.5)
+    torch.testing.assert_close(got[0, 0, 0], torch.tensor([0.0, 0.0]))
+    assert got[0, 0, 1, 0].item() == pytest.approx(20.0 - math.log(n), abs=1e-4)
+    assert got[0, 0, 1, 1].item() == pytest.approx(1.0, abs=1e-6)
+    # masked keys count neither in n nor in the scores
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, :4] = True
+    got = match_stats_ref(q, k, mask, scale=0.5)
+    assert got[0, 0, 1, 0].item() == pytest.approx(20.0 - math.log(4), abs=1e-4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("spread", [0.3, 3.0, 12.0])
+def test_fused_stats_agree_with_the_reference(masked, spread):
+    q, k = _qk(spread=spread)
+    mask = None
+    if masked:
+        mask = torch.ones(2, k.shape[2], dtype=torch.bool)
+        mask[0, 25:] = False
+        mask[1, ::3] = False
+    ref = match_stats_ref(q, k, mask, scale=0.25)
+    fast = match_stats_sdpa(q, MatchKeys.build(k, mask), scale=0.25)
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+    assert (ref[..., 1] >= -1e-5).all() and (ref[..., 1] <= 1 + 1e-5).all()
+
+
+def test_fused_stats_agree_at_decode_lengths():
+    """One query over many keys (the split-key decode kernel's case, no mask) and bf16 inputs."""
+    q, k = _qk(b=1, t=1, s=5000, spread=2.0, seed=3)
+    ref = match_stats_ref(q, k, None, scale=0.25)
+    torch.testing.assert_close(match_stats_sdpa(q, MatchKeys.build(k, None), 0.25), ref, rtol=1e-4, atol=1e-4)
+    half = match_stats_sdpa(q.bfloat16(), MatchKeys.build(k.bfloat16(), None), 0.25)
+    torch.testing.assert_close(
+        half, match_stats_ref(q.bfloat16(), k.bfloat16(), None, 0.25), rtol=1e-3, atol=1e-3
+    )
+
+
+def _gated(seed: int = 3, **kw) -> CepeForCausalLM:
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(match_gate=True, **kw)).eval()
+    randomize_cross(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.match_gate.copy_(torch.randn(m.match_gate.shape, generator=g))
+            m.match_norm.copy_(torch.rand(m.match_norm.shape, generator=g) + 0.5)
+    return model
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("token_gate", [False, True])
+def test_layer_output_by_hand(impl, token_gate):
+    model = _gated(attn_implementation=impl, token_gate=token_gate, null_key=True)
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2] = False
+    ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache="states")
+    m = model.cross_attention_modules()[0]
+    hidden = torch.randn(2, 5, m.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = m(hidden, ctx)
+        gate, m.match_gate = m.match_gate, None
+        tgate, m.token_gate = m.token_gate, None
+        b, t = hidden.shape[:2]
+        normed = m.layernorm(hidden)
+        q = m.q_proj(normed).view(b, t, m.num_heads, m.head_dim).transpose(1, 2)
+        k, _ = m.project_kv(ctx.states)
+        stats = match_stats_ref(q, k, ctx.key_mask, m.scale)  # (B, H, T, 2), over the real keys
+        norm = m.match_norm  # (H, 4): μ_m, σ_m, μ_κ, σ_κ
+        stats = (stats - norm[None, :, None, 0::2]) / norm[None, :, None, 1::2]
+        logit = stats[..., 0] * gate[:, 0, None] + stats[..., 1] * gate[:, 1, None] + gate[:, 2, None]
+        if tgate is not None:
+            logit = logit + tgate(normed).transpose(1, 2)
+        strength = (2 * torch.sigmoid(logit)).transpose(1, 2)  # (B, T, H)
+        w = m.o_proj.weight.clone()
+        hd = m.head_dim
+        want = torch.zeros_like(got)
+        for h in range(m.num_heads):  # o_proj is linear: the plain layer's heads one at a time
+            m.o_proj.weight.zero_()
+            m.o_proj.weight[:, h * hd : (h + 1) * hd] = w[:, h * hd : (h + 1) * hd]
+            want += m(hidden, ctx) * strength[..., h : h + 1]
+        m.o_proj.weight.copy_(w)
+        m.match_gate, m.token_gate = gate, tgate
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("token_gate", [False, True])
+def test_zero_gate_is_exactly_the_adapter_without_it(token_gate):
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(token_gate=token_gate)).eval()
+    randomize_cross(plain)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        before = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        plain.enable_match_gate()
+        plain.enable_match_gate()  # idempotent
+        after = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert plain.cepe_config.match_gate
+    assert torch.equal(before, after)
+    fresh = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(match_gate=True, init_mode="gate"))
+    assert all(not m.match_gate.any() for m in fresh.cross_attention_modules())
+
+
+def test_gate_changes_the_function_and_invariants_hold():
+    model = _gated()
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)  # no context: exactly the decoder
+        for m in model.cross_attention_modules():
+            m.o_proj.weight.zero_()
+        zero_o = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert torch.equal(zero_o, tiny_decoder()(ids).logits)  # zero o_proj: exactly the decoder
+    randomize_cross(model)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.match_gate.zero_()
+        b = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (a - b).abs().max().item() > 1e-3
+
+
+def test_gradients_reach_the_gate_and_not_through_the_statistics():
+    """The statistics are a sensor (no graph even from inputs that require grad); the loss moves a, c, b."""
+    q, k = _qk()
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    assert not match_stats_ref(q, k, None, 0.25).requires_grad
+    assert not match_stats_sdpa(q, MatchKeys.build(k, None), 0.25).requires_grad
+    model = _gated(null_key=True)
+    m = model.cross_attention_modules()[0]
+    enc_ids, enc_mask = random_context(2, 3)
+    ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache="states")
+    hidden = torch.randn(2, 5, m.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    m(hidden, ctx).square().sum().backward()
+    assert m.match_gate.grad is not None and (m.match_gate.grad != 0).all()
+    assert m.q_proj.weight.grad is not None
+
+
+def test_match_gate_saves_and_loads(tmp_path):
+    model = _gated()
+    model.save_pretrained(tmp_path)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path, decoder=tiny_decoder()).eval()
+    assert loaded.cepe_config.match_gate
+    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
+        assert torch.equal(a.match_gate, b.match_gate)
+    with pytest.raises(ValueError):  # an adapter with match gates does not fit a model without them
+        CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).load_adapter_state_dict(
+            model.adapter_state_dict()
+        )
+
+
+def test_calibration_standardises_the_features():
+    """Fresh (zero) gates are 1 whatever the norms, so one pass gives every layer its exact statistics."""
+    model = _gated()
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.match_gate.zero_()
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1] = False  # a row without context is left out of the statistics
+
+    def forward():
+        model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
+
+    norms = model.calibrate_match_gate(forward)
+    assert set(norms) == set(model.cross_layers)
+    for m in model.cross_attention_modules():
+        m.match_record = []
+    with torch.no_grad():
+        forward()
+    for m in model.cross_attention_modules():
+        x = torch.cat(m.match_record, dim=1)  # (H, N, 2), N = one row's tokens
+        assert x.shape[1] == ids.shape[1]
+        z = (x - m.match_norm[:, None, 0::2]) / m.match_norm[:, None, 1::2]
+        torch.testing.assert_close(z.mean(1), torch.zeros_like(z.mean(1)), atol=1e-4, rtol=0)
+        torch.testing.assert_close(z.std(1), torch.ones_like(z.std(1)), atol=1e-3, rtol=0)
+        m.match_record = None
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    with pytest.raises(ValueError, match="enable_match_gate"):
+        plain.calibrate_match_gate(lambda: None)
+    with pytest.raises(ValueError, match="no decoder token with context"):
+        model.calibrate_match_gate(lambda: model(ids))
