@@ -43,6 +43,9 @@ ROUTE = [
     ("fast_direct_tgate", 30),
     ("fast_direct_tgate2", 40),
     ("fast_direct_tgate512", 15),
+    ("fast_direct_mgate", 30),
+    ("fast_direct_mgate_c", 30),
+    ("fast_direct_mgate512", 15),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
@@ -68,6 +71,12 @@ def stage_row(stage: str, step: int) -> dict:
         row["val_needle"] = [c.get(f"needle_{t}") for t in TOTALS]
         row["val_answer_nll"] = [c.get(f"needle_nll_{t}") for t in TOTALS]
         row["lm_val"] = [c.get("lm_val_1024"), c.get("lm_val_2048")]
+    val2 = _load(d / "needle_val2" / "needle.json")
+    if val2:
+        rows = [r for r in val2["rows"] if r["method"] == "cepe"]
+        row["val2_needle"] = [
+            statistics.mean(r["value"] for r in rows if r["setting"]["total"] == t) for t in TOTALS
+        ]
     needle = _load(d / "needle_encoder" / "needle.json")
     if needle:
         rows = [r for r in needle["rows"] if r["method"] == "cepe"]
@@ -85,10 +94,11 @@ def stage_row(stage: str, step: int) -> dict:
 def markdown(rows: list[dict]) -> str:
     head = (
         "| checkpoint | copy natural (essays / papers / code) | copy shuffled | validation needle 2K / 4K / 8K "
-        "(%) | answer NLL 2K / 4K / 8K | `lm_val` 1K / 2K | reported needle 2K / 4K / 8K (%) | reported mean "
+        "(%) | answer NLL 2K / 4K / 8K | second validation needle 2K / 4K / 8K (%) | `lm_val` 1K / 2K "
+        "| reported needle 2K / 4K / 8K (%) | reported mean "
         "| ICL 2+4 / 2+8 | QA k = 2 / 5 / 10 |"
     )
-    out = [head, "|" + "---|" * 10]
+    out = [head, "|" + "---|" * 11]
     for r in rows:
         icl, qa = r.get("icl", {}), r.get("qa", {})
         out.append(
@@ -100,6 +110,7 @@ def markdown(rows: list[dict]) -> str:
                     r.get("copy ppl shuffled (essays / papers / code)", ""),
                     _fmt(r.get("val_needle", []), 0),
                     _fmt(r.get("val_answer_nll", []), 2),
+                    _fmt(r.get("val2_needle", []), 0),
                     _fmt(r.get("lm_val", [])),
                     _fmt(r.get("needle", []), 0),
                     "" if "needle_mean" not in r else f"{r['needle_mean']:.0f}",
@@ -127,6 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     a.plot(x, series("needle_mean", float), "o-", label="reported needle (mean of 15 cells)")
     a.plot(x, series("val_needle", statistics.mean), "s--", label="validation needle (mean of 15)")
+    a.plot(x, series("val2_needle", statistics.mean), "^:", label="second validation needle (mean of 15)")
     a.axhline(90, color="grey", lw=0.8, ls=":", label="target 90 %")
     a.set_ylabel("accuracy (%)")
     a.set_ylim(-5, 105)

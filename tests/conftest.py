@@ -78,6 +78,21 @@ def randomize_cross(model: CepeForCausalLM, seed: int = 1, std: float = 0.2) -> 
                 p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if p.dim() == 1 else 0.0))
 
 
+def heads_scaled(m, hidden: torch.Tensor, ctx, strength: torch.Tensor) -> torch.Tensor:
+    """A cross-attention layer's update with head h's output times ``strength[..., h]`` ``(B, T, H)``, made
+    by hand: ``o_proj`` is linear, so the layer (its gates removed by the caller) runs one head at a time."""
+    w = m.o_proj.weight.clone()
+    hd = m.head_dim
+    out = 0
+    with torch.no_grad():
+        for h in range(m.num_heads):
+            m.o_proj.weight.zero_()
+            m.o_proj.weight[:, h * hd : (h + 1) * hd] = w[:, h * hd : (h + 1) * hd]
+            out = out + m(hidden, ctx) * strength[..., h : h + 1]
+        m.o_proj.weight.copy_(w)
+    return out
+
+
 @pytest.fixture
 def tiny_model() -> CepeForCausalLM:
     model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()

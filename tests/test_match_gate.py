@@ -1,7 +1,8 @@
 """Match-strength head gates (``CepeConfig.match_gate``): head h's output times 2·σ(a_h·m + c_h·κ̂ + b_h),
 from the log-mean-exp m of its scores and its attention's concentration κ̂.
 
-The cache modes agree with match gates: ``tests/test_model.py::test_cache_modes_agree``."""
+The cache modes agree with match gates: ``tests/test_model.py::test_cache_modes_agree``; zero gates are the
+adapter without them: ``tests/test_token_gate.py::test_zero_gates_are_exactly_the_adapter_without_them``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+from conftest import VOCAB, heads_scaled, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
 
 from cepe import CepeForCausalLM
 from cepe.cross_attention import MatchKeys, match_stats_ref, match_stats_sdpa
@@ -106,33 +107,9 @@ def test_layer_output_by_hand(impl, token_gate):
         if tgate is not None:
             logit = logit + tgate(normed).transpose(1, 2)
         strength = (2 * torch.sigmoid(logit)).transpose(1, 2)  # (B, T, H)
-        w = m.o_proj.weight.clone()
-        hd = m.head_dim
-        want = torch.zeros_like(got)
-        for h in range(m.num_heads):  # o_proj is linear: the plain layer's heads one at a time
-            m.o_proj.weight.zero_()
-            m.o_proj.weight[:, h * hd : (h + 1) * hd] = w[:, h * hd : (h + 1) * hd]
-            want += m(hidden, ctx) * strength[..., h : h + 1]
-        m.o_proj.weight.copy_(w)
+        want = heads_scaled(m, hidden, ctx, strength)
         m.match_gate, m.token_gate = gate, tgate
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("token_gate", [False, True])
-def test_zero_gate_is_exactly_the_adapter_without_it(token_gate):
-    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(token_gate=token_gate)).eval()
-    randomize_cross(plain)
-    ids = _ids()
-    enc_ids, enc_mask = random_context(2, 3)
-    with torch.no_grad():
-        before = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        plain.enable_match_gate()
-        plain.enable_match_gate()  # idempotent
-        after = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-    assert plain.cepe_config.match_gate
-    assert torch.equal(before, after)
-    fresh = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(match_gate=True, init_mode="gate"))
-    assert all(not m.match_gate.any() for m in fresh.cross_attention_modules())
 
 
 def test_gate_changes_the_function_and_invariants_hold():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+from conftest import VOCAB, heads_scaled, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
 
 from cepe import CepeForCausalLM
 
@@ -36,39 +36,33 @@ def test_layer_output_by_hand(impl):
     with torch.no_grad():
         got = m(hidden, ctx)
         gate, m.token_gate = m.token_gate, None
-        b, t = hidden.shape[:2]
-        # the plain layer's heads, before o_proj: o_proj is linear, so undo it by running heads one at a time
-        w = m.o_proj.weight.clone()
-        hd = m.head_dim
-        want = torch.zeros_like(got)
-        strength = 2 * torch.sigmoid(gate(m.layernorm(hidden)))  # (B, T, H)
-        for h in range(m.num_heads):
-            m.o_proj.weight.zero_()
-            m.o_proj.weight[:, h * hd : (h + 1) * hd] = w[:, h * hd : (h + 1) * hd]
-            want += m(hidden, ctx) * strength[..., h : h + 1]
-        m.o_proj.weight.copy_(w)
+        want = heads_scaled(m, hidden, ctx, 2 * torch.sigmoid(gate(m.layernorm(hidden))))  # (B, T, H)
         m.token_gate = gate
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_zero_gate_is_exactly_the_adapter_without_it():
-    """Fresh (zero) token gates give 2·σ(0) = 1: the same logits as the same weights without them, and
-    enable_token_gate adds them to a trained adapter without changing its function."""
-    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+@pytest.mark.parametrize(
+    "gate,base", [("token_gate", {}), ("match_gate", {}), ("match_gate", {"token_gate": True})]
+)
+def test_zero_gates_are_exactly_the_adapter_without_them(gate, base):
+    """Fresh (zero) token or match gates give 2·σ(0) = 1: the same logits as the same weights without them,
+    and enable_token_gate / enable_match_gate add them to a trained adapter without changing its function."""
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(**base)).eval()
     randomize_cross(plain)
     ids = _ids()
     enc_ids, enc_mask = random_context(2, 3)
+    enable = getattr(plain, f"enable_{gate}")
     with torch.no_grad():
         before = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        plain.enable_token_gate()
-        plain.enable_token_gate()  # idempotent
+        enable()
+        enable()  # idempotent
         after = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-    assert plain.cepe_config.token_gate
+    assert getattr(plain.cepe_config, gate)
     assert torch.equal(before, after)
-    fresh = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(token_gate=True, init_mode="gate"))
-    assert all(
-        not m.token_gate.weight.any() and not m.token_gate.bias.any() for m in fresh.cross_attention_modules()
-    )
+    fresh = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(**{gate: True}, init_mode="gate"))
+    for m in fresh.cross_attention_modules():
+        g = getattr(m, gate)
+        assert not any(w.any() for w in (g.parameters() if isinstance(g, torch.nn.Module) else [g]))
 
 
 def test_gate_changes_the_function_and_invariants_hold():
