@@ -46,6 +46,8 @@ ROUTE = [
     ("fast_direct_mgate", 30),
     ("fast_direct_mgate_c", 30),
     ("fast_direct_mgate512", 15),
+    ("fast_direct_mgate_c2", 40),
+    ("fast_direct_mgate_c3", 60),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
