@@ -106,6 +106,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "warmup_decoder_tokens",
         "freeze_encoder",
         "train_only",
+        "match_gate_calibrate",
         "align_coef",
         "align_heads",
         "align_layers",
