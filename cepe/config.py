@@ -129,7 +129,9 @@ class CepeConfig:
             the context: ``2·σ(a·m + c·κ̂ + b)``, with m the log-mean-exp of the head's scores over the real
             keys and κ̂ = (log n − entropy) / log n its attention's concentration (no gradient flows through
             m and κ̂), added to the token gate's logit when both are on; zero-initialised (exactly 1), so
-            reading can depend on whether anything in the context matches (beyond the released code).
+            reading can depend on whether anything in the context matches (beyond the released code). The
+            ``kv`` cache then also keeps each layer's augmented keys in fp32 (about 2 × ``(hd + 2)`` floats
+            per KV head and context token), and ``absorbed`` projects keys as ``states`` does.
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").

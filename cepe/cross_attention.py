@@ -216,6 +216,7 @@ class MatchKeys:
 @torch.no_grad()
 def match_stats_sdpa(q: torch.Tensor, keys: MatchKeys, scale: float) -> torch.Tensor:
     """:func:`match_stats_ref` from one fused attention over :class:`MatchKeys` (no ``(T, S)`` scores kept).
+    Under autocast that attention runs in the autocast dtype, as the layer's own attention does.
 
     Args:
         q: ``(B, H, T, hd)``.
