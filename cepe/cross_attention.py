@@ -355,7 +355,7 @@ class CrossAttention(nn.Module):
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
-        if match is not None:  # (B, H, T) logits, fp32
+        if match is not None:  # (B, H, T, 2) statistics -> (B, H, T) fp32 logits
             if self.match_record is not None:  # rows with context only: (H, rows·T, 2)
                 rows = match if ctx.has_context is None else match[ctx.has_context[:, 0, 0] > 0]
                 self.match_record.append(rows.transpose(0, 1).reshape(self.num_heads, -1, 2))

@@ -192,3 +192,24 @@ def test_calibration_standardises_the_features():
         plain.calibrate_match_gate(lambda: None)
     with pytest.raises(ValueError, match="no decoder token with context"):
         model.calibrate_match_gate(lambda: model(ids))
+
+
+def test_match_gate_stats_script(tmp_path, capsys):
+    """``scripts/match_gate_stats.py``: weights that moved together read as correlation 1 and one sign."""
+    from conftest import load_script
+
+    script = load_script("match_gate_stats")
+    model = _gated()
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            col = torch.randn(m.num_heads, 1, generator=torch.Generator().manual_seed(m.layer_idx))
+            m.match_gate.copy_(col * torch.tensor([1.0, 2.0, 0.5]))
+    model.save_pretrained(tmp_path / "a")
+    s = script.stats(script.weights(str(tmp_path / "a")))
+    assert s["corr_a_b"] == pytest.approx(1.0) and s["corr_c_b"] == pytest.approx(1.0)
+    assert s["one_sign"] == 1.0
+    script.main([str(tmp_path / "a")])
+    assert "one sign 100 %" in capsys.readouterr().out
+    CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).save_pretrained(tmp_path / "b")
+    with pytest.raises(SystemExit, match="no match gates"):
+        script.weights(str(tmp_path / "b"))
