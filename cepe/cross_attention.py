@@ -39,6 +39,9 @@ class CrossContext:
         out_scale: multiplier on every layer's output (``CepeConfig.context_scale``).
         kv: per-layer cache of projected ``(K, V)`` (mode ``"kv"``).
         match_kv: per-layer cache of the match-strength keys (``CepeConfig.match_gate``, mode ``"kv"``).
+        match_memo: per layer, the match statistics of its last call under autograd with the query and
+            ``k_proj`` version they came from: gradient checkpointing runs each layer again in backward
+            with the same query, and the statistics (no gradient) are then reused, not recomputed.
     """
 
     states: torch.Tensor
@@ -51,6 +54,7 @@ class CrossContext:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     align: AlignProbe | None = None
     match_kv: dict[int, MatchKeys] = field(default_factory=dict)
+    match_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -181,7 +185,8 @@ class MatchKeys:
     share is then ``σ(−m)``, the real keys' share ``σ(m)``, and their value sum ``σ(m)·E_p[k]``.
 
     Attributes:
-        k, v: ``(B, KV, 1 + S, hd + 2)`` fp32.
+        k, v: ``(B, KV, 1 + S, hd + 2)`` in :func:`match_dtype` (the autocast dtype under autocast: the
+            fused attention would cast fp32 keys to it anyway, so this only saves the copies).
         mask: ``(B, 1 + S)`` bool or None.
         log_n: ``(B,)`` log of the number of real keys (at least 1).
     """
@@ -194,16 +199,15 @@ class MatchKeys:
     @classmethod
     @torch.no_grad()
     def build(cls, k: torch.Tensor, key_mask: torch.Tensor | None) -> MatchKeys:
-        """From the real keys ``(B, KV, S, hd)`` and their mask ``(B, S)``."""
+        """From the real keys ``(B, KV, S, hd)`` and their mask ``(B, S)``, in :func:`match_dtype`."""
         b, kvh, s, hd = k.shape
-        kf = k.float()
-        mean_k = kf.new_zeros(b, kvh, 1, hd + 2)
-        mean_k[..., hd] = 1.0
-        mean_v = kf.new_zeros(b, kvh, 1, hd + 2)
-        mean_v[..., hd + 1] = 1.0
-        zeros, ones = kf.new_zeros(b, kvh, s, 1), kf.new_ones(b, kvh, s, 1)
-        ka = torch.cat([mean_k, torch.cat([kf, zeros, zeros], dim=-1)], dim=2).contiguous()
-        va = torch.cat([mean_v, torch.cat([kf, ones, zeros], dim=-1)], dim=2).contiguous()
+        ka = k.new_zeros(b, kvh, 1 + s, hd + 2, dtype=match_dtype(k.device))
+        va = torch.zeros_like(ka)
+        ka[:, :, 0, hd] = 1.0
+        va[:, :, 0, hd + 1] = 1.0
+        ka[:, :, 1:, :hd] = k
+        va[:, :, 1:, :hd] = k
+        va[:, :, 1:, hd] = 1.0
         if key_mask is None:
             n = torch.full((b,), s, device=k.device)
             mask = None
@@ -211,6 +215,14 @@ class MatchKeys:
             n = key_mask.sum(-1)
             mask = torch.cat([key_mask.new_ones(b, 1), key_mask], dim=1)
         return cls(ka, va, mask, n.clamp_min(1).float().log())
+
+
+def match_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the match statistics' attention runs in: the autocast dtype under autocast (where the
+    attention would cast its fp32 inputs to it anyway), else fp32."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
 
 
 @torch.no_grad()
@@ -226,8 +238,9 @@ def match_stats_sdpa(q: torch.Tensor, keys: MatchKeys, scale: float) -> torch.Te
     """
     b, h, t, hd = q.shape
     qf = q.float()
-    slot = (keys.log_n / scale)[:, None, None, None].expand(b, h, t, 1)
-    qa = torch.cat([qf, slot, qf.new_zeros(b, h, t, 1)], dim=-1)
+    qa = q.new_zeros(b, h, t, hd + 2, dtype=keys.k.dtype)
+    qa[..., :hd] = qf  # (rounded as autocast would round the fp32 query)
+    qa[..., hd] = (keys.log_n / scale)[:, None, None]
     o = attention_sdpa(qa, keys.k, keys.v, keys.mask, scale)  # (B, H, T, hd + 2)
     real = o[..., hd].clamp_min(1e-30)  # σ(m)
     mean = o[..., hd + 1].clamp_min(1e-30)  # σ(−m)
@@ -387,11 +400,21 @@ class CrossAttention(nn.Module):
         """``(m, κ̂)`` ``(B, H, T, 2)`` of the queries ``q`` against the real keys ``k`` (no gradient)."""
         if ctx.impl == "eager":
             return match_stats_ref(q, k, key_mask, self.scale)
-        if ctx.mode == "kv" and not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            if ctx.mode != "kv":
+                return match_stats_sdpa(q, MatchKeys.build(k, key_mask), self.scale)
             if self.layer_idx not in ctx.match_kv:
                 ctx.match_kv[self.layer_idx] = MatchKeys.build(k, key_mask)
             return match_stats_sdpa(q, ctx.match_kv[self.layer_idx], self.scale)
-        return match_stats_sdpa(q, MatchKeys.build(k, key_mask), self.scale)
+        # under autograd: gradient checkpointing recomputes this layer in backward with the same query and
+        # keys (same context, same k_proj version), so the statistics of that first call are reused
+        version = self.k_proj.weight._version
+        memo = ctx.match_memo.pop(self.layer_idx, None)
+        if memo is not None and memo[1] == version and memo[0].shape == q.shape and torch.equal(memo[0], q):
+            return memo[2]
+        stats = match_stats_sdpa(q, MatchKeys.build(k, key_mask), self.scale)
+        ctx.match_memo[self.layer_idx] = (q.detach(), version, stats)
+        return stats
 
     def with_null_key(
         self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None

@@ -72,6 +72,67 @@ def test_fused_stats_agree_at_decode_lengths():
     )
 
 
+def test_keys_built_in_the_autocast_dtype_give_what_fp32_keys_give():
+    """Under autocast the keys are built in bf16 (half the copies); the fused attention cast fp32 keys to
+    bf16 anyway, so the statistics are bit for bit those of fp32-built keys."""
+    q, k = _qk(b=2, s=300, spread=2.0, seed=4)
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[1, 200:] = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keys = MatchKeys.build(k.bfloat16(), mask)
+        assert keys.k.dtype == keys.v.dtype == torch.bfloat16
+        wide = MatchKeys(keys.k.float(), keys.v.float(), keys.mask, keys.log_n)
+        assert torch.equal(match_stats_sdpa(q, keys, 0.25), match_stats_sdpa(q, wide, 0.25))
+    assert MatchKeys.build(k.bfloat16(), mask).k.dtype == torch.float32  # no autocast: fp32 as before
+
+
+def test_checkpoint_recomputation_reuses_the_statistics(monkeypatch):
+    """Under gradient checkpointing each layer's statistics are computed once (the recomputation in
+    backward reuses them) and the gradients are those of a run without checkpointing; a new query or a
+    changed k_proj computes them again."""
+    import cepe.cross_attention as ca
+
+    calls = []
+    real = ca.match_stats_sdpa
+    monkeypatch.setattr(ca, "match_stats_sdpa", lambda *a: calls.append(1) or real(*a))
+
+    def grads(checkpoint: bool):
+        model = _gated(null_key=True, token_gate=True).train()
+        if checkpoint:
+            model.decoder.activation_checkpointing_enable({"use_reentrant": False})
+            model.decoder.train()
+        enc_ids, enc_mask = random_context(2, 3)
+        ctx = model.prepare_context(enc_ids, enc_mask)
+        calls.clear()
+        with model.use_context(ctx):
+            loss = model(_ids(), cross_context=ctx, labels=_ids()).loss
+            loss.backward()
+        return loss.item(), len(calls), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_a, calls_a, plain = grads(False)
+    loss_b, calls_b, ckpt = grads(True)
+    layers = len(_gated().cross_attention_modules())
+    assert calls_a == calls_b == layers
+    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(plain) == set(ckpt)
+    for n, g in plain.items():
+        torch.testing.assert_close(ckpt[n], g, rtol=1e-4, atol=1e-6)
+    model = _gated()
+    m = model.cross_attention_modules()[0]
+    ctx = model.prepare_context(*random_context(2, 3), cross_attention_cache="states")
+    hidden = torch.randn(2, 5, m.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    calls.clear()
+    m(hidden, ctx)
+    m(hidden * 2, ctx)  # another query
+    assert len(calls) == 2
+    with torch.no_grad():
+        m.k_proj.weight.mul_(3.0)  # an optimizer step between two calls on one context
+    got = m(hidden * 2, ctx)
+    assert len(calls) == 3
+    with torch.no_grad():
+        fresh = model.prepare_context(*random_context(2, 3), cross_attention_cache="states")
+        torch.testing.assert_close(got, m(hidden * 2, fresh))
+
+
 def _gated(seed: int = 3, **kw) -> CepeForCausalLM:
     model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(match_gate=True, **kw)).eval()
     randomize_cross(model)

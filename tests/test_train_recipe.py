@@ -134,6 +134,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         d.pop(key)
     d["data"].pop("shuffle")
     d["optim"].pop("gate_lr")
+    d["optim"].pop("lr_by_name")
     import hashlib
     import json
 
@@ -156,6 +157,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, qa_span_tokens=[8, 32]).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_compound=0.0).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_compound=0.5).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, optim={"lr_by_name": {"gate": 1e-2}}).fingerprint() != cfg.fingerprint()
 
 
 def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
@@ -168,6 +170,27 @@ def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
     assert len(groups) == 2 and groups[1]["lr"] == 5e-2
     assert {id(p) for p in groups[1]["params"]} == {id(m.gate) for m in model.cross_attention_modules()}
     assert len(param_groups(model, trainable_parameters(model), _cfg(tmp_path, **over))) == 1
+
+
+def test_lr_by_name_gives_each_named_part_its_rate(tmp_path):
+    from cepe.training.trainer import param_groups
+
+    over = dict(cepe={"token_gate": True, "match_gate": True}, train_only=["token_gate", "match_gate", "o_proj"])
+    rates = {"match_gate": 2e-2, "token_gate": 1e-3, "gate": 5.0}  # "gate" comes last: matches nothing new
+    cfg = _cfg(tmp_path, optim={"lr": 1e-4, "lr_by_name": rates}, **over)
+    model = build_model(cfg)
+    params = trainable_parameters(model)
+    groups = param_groups(model, params, cfg)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    assert [g.get("lr") for g in groups] == [None, 2e-2, 1e-3]
+    assert all(by_id[id(p)].endswith("o_proj.weight") for p in groups[0]["params"])
+    assert all(by_id[id(p)].endswith("cross_attn.match_gate") for p in groups[1]["params"])
+    assert all(".token_gate." in by_id[id(p)] for p in groups[2]["params"])
+    assert sum(len(g["params"]) for g in groups) == len(params)
+    with pytest.raises(ValueError, match="matches no trainable parameter"):
+        param_groups(model, params, _cfg(tmp_path, optim={"lr_by_name": {"null_key": 1e-2}}, **over))
+    with pytest.raises(ValueError, match="positive"):
+        _cfg(tmp_path, optim={"lr_by_name": {"match_gate": -1.0}}, **over)
 
 
 def test_align_nll_by_hand():

@@ -91,6 +91,9 @@ class OptimConfig:
         min_lr_ratio: the cosine decays to ``min_lr_ratio`` × ``lr``.
         max_grad_norm: gradient clipping (None = none).
         gate_lr: learning rate of the per-head cross-attention gates (``init_mode: gate``); None = ``lr``.
+        lr_by_name: learning rates by parameter-name part, ``{"match_gate": 2e-2, "token_gate": 1e-3}``: a
+            trainable parameter whose name contains a listed part learns at that part's rate (the first
+            listed part that matches wins; ``gate_lr`` still sets the per-head gates); None = ``lr`` for all.
     """
 
     lr: float = 3e-4
@@ -101,12 +104,22 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     max_grad_norm: float | None = 1.0
     gate_lr: float | None = None
+    lr_by_name: dict[str, float] | None = None
 
     def validate(self) -> None:
         _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
         _check(
             self.gate_lr is None or self.gate_lr > 0, f"optim.gate_lr must be positive, got {self.gate_lr}"
         )
+        if self.lr_by_name is not None:
+            _check(
+                isinstance(self.lr_by_name, dict)
+                and len(self.lr_by_name) > 0
+                and all(isinstance(k, str) and k for k in self.lr_by_name),
+                f"optim.lr_by_name must map parameter-name parts to learning rates, got {self.lr_by_name!r}",
+            )
+            bad = {k: v for k, v in self.lr_by_name.items() if not (isinstance(v, (int, float)) and v > 0)}
+            _check(not bad, f"optim.lr_by_name rates must be positive numbers, got {bad}")
         _check(len(self.betas) == 2, f"optim.betas must be two numbers, got {self.betas!r}")
         _check(
             0.0 <= self.warmup_ratio < 1.0, f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}"
@@ -637,8 +650,9 @@ class TrainConfig:
         if "align_coef" not in d:
             d.pop("align_heads", None)
             d.pop("align_layers", None)
-        if d["optim"].get("gate_lr") is None:
-            d["optim"].pop("gate_lr", None)
+        for key in ("gate_lr", "lr_by_name"):
+            if d["optim"].get(key) is None:
+                d["optim"].pop(key, None)
         for key in RUN_CONTROL_FIELDS:
             d.pop(key, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -84,15 +84,33 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_ratio: 
 def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict[str, Any]]:
     """AdamW parameter groups: the cross-attention head gates at ``optim.gate_lr`` when set (a gate moves
     about one learning rate per Adam step, so at the weights' rate it would need thousands of steps to
-    open), everything else at ``optim.lr``."""
-    if cfg.optim.gate_lr is None:
+    open), each ``optim.lr_by_name`` part's parameters at that part's rate (the first listed part a name
+    contains), everything else at ``optim.lr``.
+
+    Raises:
+        ValueError: an ``lr_by_name`` part matches no trainable parameter.
+    """
+    trainable = {id(p) for p in params}
+    rate: dict[int, float] = {}
+    if cfg.optim.gate_lr is not None:
+        for n, p in model.named_parameters():
+            if n.endswith("cross_attn.gate") and id(p) in trainable:
+                rate[id(p)] = cfg.optim.gate_lr
+    for part, lr in (cfg.optim.lr_by_name or {}).items():
+        hits = [p for n, p in model.named_parameters() if part in n and id(p) in trainable]
+        if not hits:
+            names = [n for n, p in model.named_parameters() if id(p) in trainable]
+            raise ValueError(
+                f"optim.lr_by_name part {part!r} matches no trainable parameter; trainable names are like "
+                f"{names[:3]}: use a part of one of them"
+            )
+        for p in hits:
+            rate.setdefault(id(p), float(lr))
+    if not rate:
         return [{"params": params}]
-    gates = {id(p) for n, p in model.named_parameters() if n.endswith("cross_attn.gate")}
-    rest = [p for p in params if id(p) not in gates]
-    gated = [p for p in params if id(p) in gates]
-    groups = [{"params": rest}]
-    if gated:
-        groups.append({"params": gated, "lr": cfg.optim.gate_lr})
+    groups = [{"params": [p for p in params if id(p) not in rate]}]
+    for lr in dict.fromkeys(rate.values()):  # one group per rate, in the order first met
+        groups.append({"params": [p for p in params if rate.get(id(p)) == lr], "lr": lr})
     return groups
 
 
