@@ -175,7 +175,9 @@ def test_gate_lr_opens_gates_at_their_own_rate(tmp_path):
 def test_lr_by_name_gives_each_named_part_its_rate(tmp_path):
     from cepe.training.trainer import param_groups
 
-    over = dict(cepe={"token_gate": True, "match_gate": True}, train_only=["token_gate", "match_gate", "o_proj"])
+    over = dict(
+        cepe={"token_gate": True, "match_gate": True}, train_only=["token_gate", "match_gate", "o_proj"]
+    )
     rates = {"match_gate": 2e-2, "token_gate": 1e-3, "gate": 5.0}  # "gate" comes last: matches nothing new
     cfg = _cfg(tmp_path, optim={"lr": 1e-4, "lr_by_name": rates}, **over)
     model = build_model(cfg)
