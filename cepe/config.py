@@ -130,8 +130,12 @@ class CepeConfig:
             keys and κ̂ = (log n − entropy) / log n its attention's concentration (no gradient flows through
             m and κ̂), added to the token gate's logit when both are on; zero-initialised (exactly 1), so
             reading can depend on whether anything in the context matches (beyond the released code). The
-            ``kv`` cache then also keeps each layer's augmented keys in fp32 (about 2 × ``(hd + 2)`` floats
-            per KV head and context token), and ``absorbed`` projects keys as ``states`` does.
+            ``kv`` cache then also keeps each layer's augmented keys (about 2 × ``(hd + 2)`` numbers per KV
+            head and context token, fp32 or the autocast dtype), and ``absorbed`` projects keys as ``states`` does.
+        length_scale: a per-head score multiplier that follows the context's length: head h's query is scaled
+            by ``(n / length_scale)^τ_h``, n the example's real context tokens, τ_h learned from zero (exactly
+            1 at init), so a head can sharpen (or soften) its attention as the context grows and its match
+            is shared among more keys; None = off (beyond the released code).
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -155,6 +159,7 @@ class CepeConfig:
     null_key: bool = False
     token_gate: bool = False
     match_gate: bool = False
+    length_scale: int | None = None
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -187,6 +192,10 @@ class CepeConfig:
                 "score_scaling needs train_context_tokens (encoder tokens per training example)",
             )
         check(self.encoder_micro_batch > 0, "encoder_micro_batch must be positive")
+        check(
+            self.length_scale is None or (isinstance(self.length_scale, int) and self.length_scale > 0),
+            f"length_scale must be a positive number of context tokens (or null: off), got {self.length_scale!r}",
+        )
         check(
             math.isfinite(self.context_scale) and self.context_scale >= 0,
             f"context_scale must be a finite number >= 0 (1.0 = as trained), got {self.context_scale!r}",

@@ -35,6 +35,8 @@ class CrossContext:
         mode: cache mode, ``"kv" | "states" | "absorbed"``.
         impl: attention kernel, ``"sdpa" | "eager"``.
         q_scale: ``(B, 1, 1, 1)`` score multipliers (long-input scaling), or None.
+        log_n: ``(B,)`` fp32 log of each example's real context tokens (at least 1), for
+            ``CepeConfig.length_scale``; None = not given.
         has_context: ``(B, 1, 1)`` 1.0 where the example has at least one real key, else 0.0; None = all.
         out_scale: multiplier on every layer's output (``CepeConfig.context_scale``).
         kv: per-layer cache of projected ``(K, V)`` (mode ``"kv"``).
@@ -51,6 +53,7 @@ class CrossContext:
     q_scale: torch.Tensor | None = None
     has_context: torch.Tensor | None = None
     out_scale: float = 1.0
+    log_n: torch.Tensor | None = None
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     align: AlignProbe | None = None
     match_kv: dict[int, MatchKeys] = field(default_factory=dict)
@@ -81,6 +84,7 @@ class CrossContext:
             rep(self.q_scale),
             rep(self.has_context),
             out_scale=self.out_scale,
+            log_n=rep(self.log_n),
         )
 
 
@@ -269,6 +273,7 @@ class CrossAttention(nn.Module):
         null_key: bool = False,
         token_gate: bool = False,
         match_gate: bool = False,
+        length_scale: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -307,6 +312,10 @@ class CrossAttention(nn.Module):
         if match_gate:
             self.add_match_norm()
         self.match_record: list[torch.Tensor] | None = None  # set by CepeForCausalLM.calibrate_match_gate
+        # A per-head exponent of the context's length (``CepeConfig.length_scale``): head h's query is
+        # scaled by (n / length_scale)^τ_h, τ zero at init (exactly 1).
+        self.length_exp = nn.Parameter(torch.zeros(num_heads)) if length_scale else None
+        self.length_ref = float(length_scale or 0)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -329,6 +338,8 @@ class CrossAttention(nn.Module):
         q = q.transpose(1, 2)  # (B, H, T, hd)
         if ctx.q_scale is not None:
             q = q * ctx.q_scale.to(q.dtype)  # scales every score of that example
+        if self.length_exp is not None:
+            q = self.length_scaled(q, ctx)
         key_mask = ctx.key_mask
         match = None
         if (
@@ -386,6 +397,15 @@ class CrossAttention(nn.Module):
         if ctx.has_context is not None:
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
+
+    def length_scaled(self, q: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
+        """``q`` ``(B, H, T, hd)`` times ``(n / length_ref)^τ_h`` per example and head (in fp32, then back)."""
+        if ctx.log_n is None:
+            raise ValueError(
+                "length_scale needs the context's length: build the context with prepare_context"
+            )
+        expo = self.length_exp.float()[None, :] * (ctx.log_n[:, None] - math.log(self.length_ref))  # (B, H)
+        return (q.float() * torch.exp(expo)[:, :, None, None]).to(q.dtype)
 
     def add_match_norm(self) -> None:
         """The match gate's feature standardisation ``(H, 4)``: rows ``(μ_m, σ_m, μ_κ, σ_κ)``, a saved
@@ -490,6 +510,8 @@ class CrossAttention(nn.Module):
             self.token_gate.bias.zero_()
         if self.match_gate is not None:
             self.match_gate.zero_()
+        if self.length_exp is not None:
+            self.length_exp.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)
             if mine is not None:

@@ -61,6 +61,7 @@ class CepeForCausalLM(nn.Module):
             null_key=cepe_config.null_key,
             token_gate=cepe_config.token_gate,
             match_gate=cepe_config.match_gate,
+            length_scale=cepe_config.length_scale,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -207,6 +208,23 @@ class CepeForCausalLM(nn.Module):
                 m.add_match_norm()
         self.cepe_config.match_gate = True
 
+    def enable_length_scale(self, length: int) -> None:
+        """Give every cross-attention head its context-length exponent (``CepeConfig.length_scale``: the
+        query scaled by ``(n / length)^τ_h``), zero, to an adapter trained without (exactly 1: the function
+        is unchanged). Idempotent for the same ``length``."""
+        if self.cepe_config.length_scale not in (None, length):
+            raise ValueError(
+                f"this adapter's length_scale is {self.cepe_config.length_scale}, not {length}: its exponents "
+                "were trained for that reference length"
+            )
+        for m in self.cross_attention_modules():
+            if m.length_exp is None:
+                w = m.q_proj.weight
+                m.length_exp = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
+                m.length_ref = float(length)
+        self.cepe_config.length_scale = int(length)
+        self.cepe_config.validate()
+
     @torch.no_grad()
     def calibrate_match_gate(self, run: Callable[[], Any], min_std: float = 1e-3) -> dict[int, torch.Tensor]:
         """Standardise the match gates' features on real inputs: ``run()`` makes forward passes with
@@ -337,6 +355,7 @@ class CepeForCausalLM(nn.Module):
             q_scale=q_scale,
             has_context=has_context,
             out_scale=float(self.cepe_config.context_scale),
+            log_n=counts.clamp_min(1).float().log(),
         )
 
     @contextlib.contextmanager

@@ -131,6 +131,7 @@ def attach_cross_attention(
     null_key: bool = False,
     token_gate: bool = False,
     match_gate: bool = False,
+    length_scale: int | None = None,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -161,6 +162,7 @@ def attach_cross_attention(
             null_key=null_key,
             token_gate=token_gate,
             match_gate=match_gate,
+            length_scale=length_scale,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

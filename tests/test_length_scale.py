@@ -1,0 +1,161 @@
+"""Context-length exponents (``CepeConfig.length_scale``): head h's query times ``(n / length_scale)^τ_h``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+
+from cepe import CepeForCausalLM
+
+
+def _ids(b: int = 2, t: int = 7) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(5))
+
+
+def _scaled(ref: int = 16, **kw) -> CepeForCausalLM:
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(length_scale=ref, **kw)).eval()
+    randomize_cross(model)  # exponents near 1 (1-D parameters are randomised around 1)
+    return model
+
+
+def _context():
+    enc_ids, enc_mask = random_context(2, 3)  # 24 context tokens per example
+    enc_mask[1, 1:] = False  # example 1: 8 real tokens
+    return enc_ids, enc_mask
+
+
+def test_layer_output_by_hand():
+    model = _scaled()
+    m = model.cross_attention_modules()[0]
+    enc_ids, enc_mask = _context()
+    ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache="states")
+    hidden = torch.randn(2, 5, m.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = m(hidden, ctx)
+        b, t = hidden.shape[:2]
+        q = m.q_proj(m.layernorm(hidden)).view(b, t, m.num_heads, m.head_dim).transpose(1, 2)
+        k, v = m.project_kv(ctx.states)
+        groups = m.num_heads // m.num_kv
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        want = []
+        for i, n in enumerate((24, 8)):
+            f = (n / 16) ** m.length_exp  # (H,)
+            s = (q[i] * f[:, None, None]) @ k[i, :, :n].transpose(-1, -2) * m.scale  # (H, T, n)
+            want.append(torch.softmax(s, -1) @ v[i, :, :n])
+        out = torch.stack(want).transpose(1, 2).reshape(b, t, -1)
+        want = m.o_proj(out)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_exponents_are_exactly_the_adapter_without_them():
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+    randomize_cross(plain)
+    ids = _ids()
+    enc_ids, enc_mask = _context()
+    with torch.no_grad():
+        before = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        plain.enable_length_scale(16)
+        plain.enable_length_scale(16)  # idempotent
+        after = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert plain.cepe_config.length_scale == 16 and torch.equal(before, after)
+    with pytest.raises(ValueError, match="length_scale is 16"):
+        plain.enable_length_scale(32)
+    fresh = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(length_scale=8, init_mode="gate"))
+    assert all(not m.length_exp.any() for m in fresh.cross_attention_modules())
+    with pytest.raises(ValueError, match="length_scale must be a positive"):
+        tiny_cepe_config(length_scale=0)
+
+
+def test_the_reference_length_is_unscaled_and_other_lengths_are_not():
+    """At n = length_scale the factor is exactly 1 whatever the exponents; at other n they change the output;
+    no context is still exactly the decoder."""
+    enc_ids, enc_mask = random_context(1, 2)  # 16 real tokens
+    model = _scaled(ref=16)
+    ids = _ids(1)
+    with torch.no_grad():
+        a = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)
+        for m in model.cross_attention_modules():
+            m.length_exp.zero_()
+        b = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(a, b)
+    model = _scaled(ref=64)
+    with torch.no_grad():
+        c = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        for m in model.cross_attention_modules():
+            m.length_exp.zero_()
+        d = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (c - d).abs().max().item() > 1e-3 and torch.equal(d, b)
+
+
+@pytest.mark.parametrize("match_gate", [False, True])
+def test_cache_modes_agree_and_gradients_reach_the_exponents(match_gate):
+    model = _scaled(null_key=True, match_gate=match_gate)
+    ids = _ids()
+    enc_ids, enc_mask = _context()
+    outs = {}
+    for mode in ("kv", "states", "absorbed"):
+        outs[mode] = model.generate(
+            ids,
+            encoder_input_ids=enc_ids,
+            encoder_attention_mask=enc_mask,
+            max_new_tokens=5,
+            do_sample=False,
+            cross_attention_cache=mode,
+            pad_token_id=0,
+        )
+    assert torch.equal(outs["kv"], outs["states"]) and torch.equal(outs["kv"], outs["absorbed"])
+    model.train()
+    loss = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=ids).loss
+    loss.backward()
+    grads = [m.length_exp.grad for m in model.cross_attention_modules()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(
+        g.abs().sum() > 0 for g in grads
+    )
+
+
+def test_saves_and_loads(tmp_path):
+    model = _scaled()
+    model.save_pretrained(tmp_path)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path, decoder=tiny_decoder()).eval()
+    assert loaded.cepe_config.length_scale == 16
+    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
+        assert torch.equal(a.length_exp, b.length_exp) and b.length_ref == 16.0
+    with pytest.raises(ValueError):  # exponents do not fit a model without them
+        CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).load_adapter_state_dict(
+            model.adapter_state_dict()
+        )
+
+
+def test_a_stage_adds_exponents_and_trains_only_them(tmp_path):
+    import yaml
+
+    from cepe.training.config import load_config
+    from cepe.training.models import build_decoder
+    from cepe.training.trainer import train
+
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(steps=2, progress=False, encoder_init="decoder", encoder={"num_hidden_layers": 1})
+    d["cepe"] = {**(d.get("cepe") or {}), "init_mode": "copy"}
+    first = train(load_config({**d, "output_dir": str(tmp_path / "first")}))
+    dec = lambda: build_decoder(load_config({**d, "output_dir": "unused"}))  # noqa: E731
+    start = CepeForCausalLM.from_pretrained(first, decoder=dec())
+    cfg = {
+        **d,
+        "output_dir": str(tmp_path / "run"),
+        "init_adapter": str(first),
+        "cepe": {"length_scale": 7},
+        "train_only": ["length_exp"],
+        "optim": {"lr": 1e-1},
+    }
+    trained = CepeForCausalLM.from_pretrained(train(load_config(cfg)), decoder=dec())
+    assert trained.cepe_config.length_scale == 7
+    before, after = start.adapter_state_dict(), trained.adapter_state_dict()
+    moved = {k for k in after if k not in before or not torch.equal(before[k], after[k])}
+    assert moved and all(k.endswith(".length_exp") for k in moved)
+    assert any(m.length_exp.abs().sum() > 0 for m in trained.cross_attention_modules())
+    assert math.isclose(trained.cross_attention_modules()[0].length_ref, 7.0)
