@@ -48,6 +48,9 @@ ROUTE = [
     ("fast_direct_mgate512", 15),
     ("fast_direct_mgate_c2", 40),
     ("fast_direct_mgate_c3", 60),
+    ("fast_direct_gates", 40),
+    ("fast_direct_len", 40),
+    ("fast_direct_len2", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
