@@ -159,3 +159,35 @@ def test_a_stage_adds_exponents_and_trains_only_them(tmp_path):
     assert moved and all(k.endswith(".length_exp") for k in moved)
     assert any(m.length_exp.abs().sum() > 0 for m in trained.cross_attention_modules())
     assert math.isclose(trained.cross_attention_modules()[0].length_ref, 7.0)
+
+
+def test_scale_length_exponents_script(tmp_path):
+    """alpha 0 gives the adapter without exponents' function, 1 the trained one, 0.5 half of every τ."""
+    from conftest import load_script
+
+    script = load_script("scale_length_exponents")
+    model = _scaled()
+    model.save_pretrained(tmp_path / "a")
+    ids = _ids()
+    enc_ids, enc_mask = _context()
+
+    def logits(path):
+        m = CepeForCausalLM.from_pretrained(path, decoder=tiny_decoder()).eval()
+        with torch.no_grad():
+            return m(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits, m
+
+    trained, _ = logits(tmp_path / "a")
+    script.main([str(tmp_path / "a"), str(tmp_path / "one"), "--alpha", "1"])
+    assert torch.equal(logits(tmp_path / "one")[0], trained)
+    script.main([str(tmp_path / "a"), str(tmp_path / "zero"), "--alpha", "0"])
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.length_exp.zero_()
+        plain = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(logits(tmp_path / "zero")[0], plain)
+    _, half = logits(script.main([str(tmp_path / "a"), str(tmp_path / "half"), "--alpha", "0.5"]))
+    for a, b in zip(_scaled().cross_attention_modules(), half.cross_attention_modules()):
+        assert torch.equal(b.length_exp, a.length_exp * 0.5)
+    CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).save_pretrained(tmp_path / "b")
+    with pytest.raises(SystemExit, match="no length exponents"):
+        script.main([str(tmp_path / "b"), str(tmp_path / "c"), "--alpha", "0.5"])

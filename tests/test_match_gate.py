@@ -274,3 +274,13 @@ def test_match_gate_stats_script(tmp_path, capsys):
     CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).save_pretrained(tmp_path / "b")
     with pytest.raises(SystemExit, match="no match gates"):
         script.weights(str(tmp_path / "b"))
+
+
+def test_sensor_cost_script(capsys):
+    """``scripts/sensor_cost.py`` times the three parts on a small shape and prints each."""
+    from conftest import load_script
+
+    out = load_script("sensor_cost").main(["--keys", "64", "--repeat", "1"])
+    assert set(out) == {"attention_ms", "build_keys_ms", "sensor_attention_ms"}
+    assert all(v > 0 for v in out.values())
+    assert "sensor_attention_ms:" in capsys.readouterr().out
