@@ -35,8 +35,8 @@ class CrossContext:
         mode: cache mode, ``"kv" | "states" | "absorbed"``.
         impl: attention kernel, ``"sdpa" | "eager"``.
         q_scale: ``(B, 1, 1, 1)`` score multipliers (long-input scaling), or None.
-        log_n: ``(B,)`` fp32 log of each example's real context tokens (at least 1), for
-            ``CepeConfig.length_scale``; None = not given.
+        log_n: ``(B,)`` fp32 log of each example's real context tokens (at least 1), kept only for
+            ``CepeConfig.length_scale``; None otherwise.
         has_context: ``(B, 1, 1)`` 1.0 where the example has at least one real key, else 0.0; None = all.
         out_scale: multiplier on every layer's output (``CepeConfig.context_scale``).
         kv: per-layer cache of projected ``(K, V)`` (mode ``"kv"``).

@@ -355,7 +355,7 @@ class CepeForCausalLM(nn.Module):
             q_scale=q_scale,
             has_context=has_context,
             out_scale=float(self.cepe_config.context_scale),
-            log_n=counts.clamp_min(1).float().log(),
+            log_n=counts.clamp_min(1).float().log() if self.cepe_config.length_scale else None,
         )
 
     @contextlib.contextmanager
