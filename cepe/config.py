@@ -136,6 +136,8 @@ class CepeConfig:
             by ``(n / length_scale)^τ_h``, n the example's real context tokens, τ_h learned from zero (exactly
             1 at init), so a head can sharpen (or soften) its attention as the context grows and its match
             is shared among more keys; None = off (beyond the released code).
+        length_scale_below: with ``length_scale``, n counts at most ``length_scale`` tokens: contexts of that
+            length or longer read exactly as without the exponents, shorter ones by ``(n / length_scale)^τ_h``.
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -160,6 +162,7 @@ class CepeConfig:
     token_gate: bool = False
     match_gate: bool = False
     length_scale: int | None = None
+    length_scale_below: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -274,6 +274,7 @@ class CrossAttention(nn.Module):
         token_gate: bool = False,
         match_gate: bool = False,
         length_scale: int | None = None,
+        length_scale_below: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -316,6 +317,7 @@ class CrossAttention(nn.Module):
         # scaled by (n / length_scale)^τ_h, τ zero at init (exactly 1).
         self.length_exp = nn.Parameter(torch.zeros(num_heads)) if length_scale else None
         self.length_ref = float(length_scale or 0)
+        self.length_below = bool(length_scale_below)  # n capped at length_ref: longer contexts unscaled
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -399,12 +401,15 @@ class CrossAttention(nn.Module):
         return out
 
     def length_scaled(self, q: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
-        """``q`` ``(B, H, T, hd)`` times ``(n / length_ref)^τ_h`` per example and head (in fp32, then back)."""
+        """``q`` ``(B, H, T, hd)`` times ``(n / length_ref)^τ_h`` per example and head (n at most ``length_ref``
+        with ``length_below``), in fp32, then back."""
         if ctx.log_n is None:
             raise ValueError(
                 "length_scale needs the context's length: build the context with prepare_context"
             )
-        expo = self.length_exp.float()[None, :] * (ctx.log_n[:, None] - math.log(self.length_ref))  # (B, H)
+        log_ref = math.log(self.length_ref)
+        log_n = ctx.log_n.clamp_max(log_ref) if self.length_below else ctx.log_n
+        expo = self.length_exp.float()[None, :] * (log_n[:, None] - log_ref)  # (B, H)
         return (q.float() * torch.exp(expo)[:, :, None, None]).to(q.dtype)
 
     def add_match_norm(self) -> None:

@@ -62,6 +62,7 @@ class CepeForCausalLM(nn.Module):
             token_gate=cepe_config.token_gate,
             match_gate=cepe_config.match_gate,
             length_scale=cepe_config.length_scale,
+            length_scale_below=cepe_config.length_scale_below,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -208,21 +209,26 @@ class CepeForCausalLM(nn.Module):
                 m.add_match_norm()
         self.cepe_config.match_gate = True
 
-    def enable_length_scale(self, length: int) -> None:
+    def enable_length_scale(self, length: int, below: bool = False) -> None:
         """Give every cross-attention head its context-length exponent (``CepeConfig.length_scale``: the
         query scaled by ``(n / length)^τ_h``), zero, to an adapter trained without (exactly 1: the function
-        is unchanged). Idempotent for the same ``length``."""
-        if self.cepe_config.length_scale not in (None, length):
+        is unchanged). ``below``: ``CepeConfig.length_scale_below``. Idempotent for the same arguments."""
+        if self.cepe_config.length_scale is not None and (
+            self.cepe_config.length_scale != length or self.cepe_config.length_scale_below != below
+        ):
             raise ValueError(
-                f"this adapter's length_scale is {self.cepe_config.length_scale}, not {length}: its exponents "
-                "were trained for that reference length"
+                f"this adapter's length_scale is {self.cepe_config.length_scale} (below: "
+                f"{self.cepe_config.length_scale_below}), not {length} (below: {below}): its exponents were "
+                "trained for that reference"
             )
         for m in self.cross_attention_modules():
             if m.length_exp is None:
                 w = m.q_proj.weight
                 m.length_exp = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
                 m.length_ref = float(length)
+                m.length_below = bool(below)
         self.cepe_config.length_scale = int(length)
+        self.cepe_config.length_scale_below = bool(below)
         self.cepe_config.validate()
 
     @torch.no_grad()

@@ -132,6 +132,7 @@ def attach_cross_attention(
     token_gate: bool = False,
     match_gate: bool = False,
     length_scale: int | None = None,
+    length_scale_below: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -163,6 +164,7 @@ def attach_cross_attention(
             token_gate=token_gate,
             match_gate=match_gate,
             length_scale=length_scale,
+            length_scale_below=length_scale_below,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

@@ -191,3 +191,29 @@ def test_scale_length_exponents_script(tmp_path):
     CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).save_pretrained(tmp_path / "b")
     with pytest.raises(SystemExit, match="no length exponents"):
         script.main([str(tmp_path / "b"), str(tmp_path / "c"), "--alpha", "0.5"])
+
+
+def test_below_leaves_contexts_at_or_above_the_pivot_unscaled():
+    """``length_scale_below``: n is capped at length_scale, so a context of 24 tokens with the pivot at 16
+    reads exactly as with zero exponents, and one of 8 tokens as without the cap."""
+    enc_ids, enc_mask = random_context(1, 3)  # 24 real tokens
+    short_mask = enc_mask.clone()
+    short_mask[0, 1:] = False  # 8 real tokens
+    ids = _ids(1)
+
+    def run(mask, below, zero=False):
+        model = _scaled(ref=16, length_scale_below=below)
+        with torch.no_grad():
+            if zero:
+                for m in model.cross_attention_modules():
+                    m.length_exp.zero_()
+            return model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=mask).logits
+
+    assert torch.equal(run(enc_mask, True), run(enc_mask, False, zero=True))
+    assert not torch.allclose(run(enc_mask, False), run(enc_mask, False, zero=True))
+    assert torch.equal(run(short_mask, True), run(short_mask, False))
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    plain.enable_length_scale(16, below=True)
+    assert plain.cepe_config.length_scale_below and plain.cross_attention_modules()[0].length_below
+    with pytest.raises(ValueError, match="below"):
+        plain.enable_length_scale(16)

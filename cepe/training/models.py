@@ -123,8 +123,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_token_gate()  # per-token head strengths added to an adapter trained without
         if cfg.cepe.get("match_gate") and not model.cepe_config.match_gate:
             model.enable_match_gate()  # match-strength head gates added to an adapter trained without
-        if cfg.cepe.get("length_scale") and model.cepe_config.length_scale != cfg.cepe["length_scale"]:
-            model.enable_length_scale(int(cfg.cepe["length_scale"]))  # context-length exponents added
+        if cfg.cepe.get("length_scale"):  # context-length exponents added (an adapter with others: an error)
+            model.enable_length_scale(int(cfg.cepe["length_scale"]), bool(cfg.cepe.get("length_scale_below")))
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
