@@ -54,6 +54,7 @@ ROUTE = [
     ("fast_direct_len3", 40),
     ("fast_direct_len3_half", 40),
     ("fast_direct_len4", 40),
+    ("fast_direct_len4g", 30),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
