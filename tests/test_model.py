@@ -293,15 +293,27 @@ def test_packed_keys_match_unpacked():
 
 
 @pytest.mark.parametrize(
-    "null_key,token_gate,match_gate",
-    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    "null_key,token_gate,match_gate,length_scale",
+    [
+        (False, False, False, None),
+        (True, False, False, None),
+        (True, True, False, None),
+        (True, True, True, None),
+        (False, False, False, 20),
+        (True, False, True, 20),
+    ],
 )
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_cache_modes_agree(impl, null_key, token_gate, match_gate):
-    """With null keys: kv caches them with K/V; absorbed falls back to projected keys. With token gates
-    (randomised by randomize_cross like every cross-attention weight) every mode scales its heads alike."""
+def test_cache_modes_agree(impl, null_key, token_gate, match_gate, length_scale):
+    """With null keys: kv caches them with K/V; absorbed falls back to projected keys. With token gates,
+    match gates or length exponents (randomised by randomize_cross like every cross-attention weight) every
+    mode scales its heads alike (the two examples have 24 and 16 context tokens: one scaled up, one down)."""
     cfg = tiny_cepe_config(
-        attn_implementation=impl, null_key=null_key, token_gate=token_gate, match_gate=match_gate
+        attn_implementation=impl,
+        null_key=null_key,
+        token_gate=token_gate,
+        match_gate=match_gate,
+        length_scale=length_scale,
     )
     model = CepeForCausalLM.from_decoder(tiny_decoder(), cfg).eval()
     randomize_cross(model)

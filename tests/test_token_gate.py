@@ -96,17 +96,18 @@ def test_token_gate_saves_and_loads(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "gate,extra,parts",
+    "cepe,attr,extra,parts",
     [
-        ("token_gate", {}, (".token_gate.",)),
-        ("match_gate", {}, (".match_gate", ".match_norm")),
-        ("match_gate", {"match_gate_calibrate": 2}, (".match_gate", ".match_norm")),
+        ({"token_gate": True}, "token_gate", {}, (".token_gate.",)),
+        ({"match_gate": True}, "match_gate", {}, (".match_gate", ".match_norm")),
+        ({"match_gate": True}, "match_gate", {"match_gate_calibrate": 2}, (".match_gate", ".match_norm")),
+        ({"length_scale": 7}, "length_exp", {}, (".length_exp",)),
     ],
 )
-def test_a_stage_adds_gates_and_trains_only_them(tmp_path, gate, extra, parts):
-    """``cepe: {token_gate: true}`` (or ``match_gate``, its norms calibrated or not) over an ``init_adapter``
-    trained without, with ``train_only: [token_gate]``: zero gates that train, every other adapter weight
-    unchanged."""
+def test_a_stage_adds_gates_and_trains_only_them(tmp_path, cepe, attr, extra, parts):
+    """``cepe: {token_gate: true}`` (or ``match_gate``, its norms calibrated or not, or ``length_scale``)
+    over an ``init_adapter`` trained without, with ``train_only`` naming the new weights: zero weights
+    that train, every other adapter weight unchanged."""
     import yaml
 
     from cepe.training.config import load_config
@@ -120,20 +121,21 @@ def test_a_stage_adds_gates_and_trains_only_them(tmp_path, gate, extra, parts):
     first = train(load_config({**d, "output_dir": str(tmp_path / "first")}))
     dec = lambda: build_decoder(load_config({**d, "output_dir": "unused"}))  # noqa: E731
     start = CepeForCausalLM.from_pretrained(first, decoder=dec())
-    assert not getattr(start.cepe_config, gate)
+    (option,) = cepe
+    assert not getattr(start.cepe_config, option)
     cfg = load_config(
         {
             **d,
             "output_dir": str(tmp_path / "run"),
             "init_adapter": str(first),
-            "cepe": {gate: True},
-            "train_only": [gate],
+            "cepe": cepe,
+            "train_only": [attr],
             "optim": {"lr": 1e-2},
             **extra,
         }
     )
     trained = CepeForCausalLM.from_pretrained(train(cfg), decoder=dec())
-    assert getattr(trained.cepe_config, gate)
+    assert getattr(trained.cepe_config, option) == cepe[option]
     before = start.adapter_state_dict()
     after = trained.adapter_state_dict()
     moved = {k for k in after if k not in before or not torch.equal(before[k], after[k])}
@@ -142,6 +144,6 @@ def test_a_stage_adds_gates_and_trains_only_them(tmp_path, gate, extra, parts):
         norms = torch.stack([m.match_norm for m in trained.cross_attention_modules()])
         assert torch.isfinite(norms).all() and (norms[..., 1::2] > 0).all()
         assert (norms[..., 0] != 0).all() and (norms[..., 2] > 0).all() and (norms[..., 2] < 1).all()
-    gates = [getattr(m, gate) for m in trained.cross_attention_modules()]
+    gates = [getattr(m, attr) for m in trained.cross_attention_modules()]
     weights = [w for g in gates for w in (g.parameters() if isinstance(g, torch.nn.Module) else [g])]
     assert any(w.abs().sum() > 0 for w in weights)
