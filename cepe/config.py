@@ -138,6 +138,15 @@ class CepeConfig:
             is shared among more keys; None = off (beyond the released code).
         length_scale_below: with ``length_scale``, n counts at most ``length_scale`` tokens: contexts of that
             length or longer read exactly as without the exponents, shorter ones by ``(n / length_scale)^τ_h``.
+        length_scale_above: with ``length_scale``, a second per-head exponent τ'_h, learned from zero, for
+            the context's length above the pivot: the query is scaled by ``(n / length_scale)^τ_h`` as set
+            by ``length_scale_below``, times ``(max(n, length_scale) / length_scale)^τ'_h``, so contexts
+            longer than the pivot sharpen (or soften) by their own amount and shorter ones are untouched.
+        short_gate: with ``length_scale``, per-token head gates that act only on contexts shorter than the
+            pivot: their logit, ``w'·RMSNorm(h) + b'`` plus ``a'·m + c'·κ̂`` with the match gates' statistics
+            (when ``match_gate`` is on), is multiplied by ``max(0, log(length_scale / n))`` and added to
+            the other gates' logits, so contexts of ``length_scale`` tokens or more read exactly as without
+            them; zero-initialised (exactly 1: an adapter gains them without changing its function).
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -163,6 +172,8 @@ class CepeConfig:
     match_gate: bool = False
     length_scale: int | None = None
     length_scale_below: bool = False
+    length_scale_above: bool = False
+    short_gate: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -198,6 +209,14 @@ class CepeConfig:
         check(
             self.length_scale is None or (isinstance(self.length_scale, int) and self.length_scale > 0),
             f"length_scale must be a positive number of context tokens (or null: off), got {self.length_scale!r}",
+        )
+        check(
+            self.length_scale is not None or not (self.length_scale_below or self.length_scale_above),
+            "length_scale_below / length_scale_above need length_scale (the pivot, in context tokens)",
+        )
+        check(
+            self.length_scale is not None or not self.short_gate,
+            "short_gate needs length_scale (the pivot, in context tokens, below which the gates act)",
         )
         check(
             math.isfinite(self.context_scale) and self.context_scale >= 0,

@@ -275,6 +275,8 @@ class CrossAttention(nn.Module):
         match_gate: bool = False,
         length_scale: int | None = None,
         length_scale_below: bool = False,
+        length_scale_above: bool = False,
+        short_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -318,6 +320,20 @@ class CrossAttention(nn.Module):
         self.length_exp = nn.Parameter(torch.zeros(num_heads)) if length_scale else None
         self.length_ref = float(length_scale or 0)
         self.length_below = bool(length_scale_below)  # n capped at length_ref: longer contexts unscaled
+        # ``CepeConfig.length_scale_above``: longer contexts' own exponent τ'_h, times
+        # (max(n, length_ref) / length_ref)^τ'_h, zero at init.
+        self.length_exp_above = (
+            nn.Parameter(torch.zeros(num_heads)) if length_scale and length_scale_above else None
+        )
+        # Gates for contexts shorter than the pivot (``CepeConfig.short_gate``): a token gate and, with
+        # match gates, weights on their statistics, whose logit is multiplied by max(0, log(length_ref / n)):
+        # zero at init and at contexts of length_ref tokens or more.
+        self.short_gate: nn.Linear | None = None
+        self.short_match: nn.Parameter | None = None
+        if short_gate:
+            if not length_scale:
+                raise ValueError("short_gate needs length_scale (the pivot below which the gates act)")
+            self.add_short_gate(decoder_hidden)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -381,6 +397,7 @@ class CrossAttention(nn.Module):
             out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
+        logit = None  # (B, H, T) fp32
         if match is not None:  # (B, H, T, 2) statistics -> (B, H, T) fp32 logits
             if self.match_record is not None:  # rows with context only: (H, rows·T, 2)
                 rows = match if ctx.has_context is None else match[ctx.has_context[:, 0, 0] > 0]
@@ -388,6 +405,13 @@ class CrossAttention(nn.Module):
             w, norm = self.match_gate.float(), self.match_norm.float()
             feats = (match - norm[None, :, None, 0::2]) / norm[None, :, None, 1::2]
             logit = (feats * w[None, :, None, :2]).sum(-1) + w[None, :, None, 2]
+        if self.short_gate is not None:
+            short = self.short_gate(normed).float().transpose(1, 2)  # (B, H, T)
+            if match is not None and self.short_match is not None:
+                short = short + (feats * self.short_match.float()[None, :, None, :]).sum(-1)
+            short = short * self.short_factor(ctx)[:, None, None]
+            logit = short if logit is None else logit + short
+        if logit is not None:
             if self.token_gate is not None:
                 logit = logit + self.token_gate(normed).float().transpose(1, 2)
             out = out * (2 * torch.sigmoid(logit)).to(out.dtype)[..., None]
@@ -400,9 +424,16 @@ class CrossAttention(nn.Module):
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
 
+    def short_factor(self, ctx: CrossContext) -> torch.Tensor:
+        """``short_gate``'s length feature ``(B,)``: ``max(0, log(length_ref / n))`` in fp32."""
+        if ctx.log_n is None:
+            raise ValueError("short_gate needs the context's length: build the context with prepare_context")
+        return (math.log(self.length_ref) - ctx.log_n).clamp_min(0)
+
     def length_scaled(self, q: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
         """``q`` ``(B, H, T, hd)`` times ``(n / length_ref)^τ_h`` per example and head (n at most ``length_ref``
-        with ``length_below``), in fp32, then back."""
+        with ``length_below``) and, with ``length_exp_above``, ``(max(n, length_ref) / length_ref)^τ'_h``,
+        in fp32, then back."""
         if ctx.log_n is None:
             raise ValueError(
                 "length_scale needs the context's length: build the context with prepare_context"
@@ -410,7 +441,24 @@ class CrossAttention(nn.Module):
         log_ref = math.log(self.length_ref)
         log_n = ctx.log_n.clamp_max(log_ref) if self.length_below else ctx.log_n
         expo = self.length_exp.float()[None, :] * (log_n[:, None] - log_ref)  # (B, H)
+        if self.length_exp_above is not None:
+            expo = expo + self.length_exp_above.float()[None, :] * (ctx.log_n[:, None] - log_ref).clamp_min(0)
         return (q.float() * torch.exp(expo)[:, :, None, None]).to(q.dtype)
+
+    def add_short_gate(self, decoder_hidden: int | None = None) -> None:
+        """``short_gate`` ``Linear(D_dec, H)`` and, with match gates, ``short_match`` ``(H, 2)`` (rows a', c'),
+        zero, where missing."""
+        w = self.q_proj.weight
+        if self.short_gate is None:
+            gate = nn.Linear(
+                decoder_hidden or w.shape[1], self.num_heads, bias=True, device=w.device, dtype=w.dtype
+            )
+            with torch.no_grad():
+                gate.weight.zero_()
+                gate.bias.zero_()
+            self.short_gate = gate
+        if self.match_gate is not None and self.short_match is None:
+            self.short_match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
 
     def add_match_norm(self) -> None:
         """The match gate's feature standardisation ``(H, 4)``: rows ``(μ_m, σ_m, μ_κ, σ_κ)``, a saved
@@ -517,6 +565,13 @@ class CrossAttention(nn.Module):
             self.match_gate.zero_()
         if self.length_exp is not None:
             self.length_exp.zero_()
+        if self.length_exp_above is not None:
+            self.length_exp_above.zero_()
+        if self.short_gate is not None:
+            self.short_gate.weight.zero_()
+            self.short_gate.bias.zero_()
+        if self.short_match is not None:
+            self.short_match.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)
             if mine is not None:

@@ -63,6 +63,8 @@ class CepeForCausalLM(nn.Module):
             match_gate=cepe_config.match_gate,
             length_scale=cepe_config.length_scale,
             length_scale_below=cepe_config.length_scale_below,
+            length_scale_above=cepe_config.length_scale_above,
+            short_gate=cepe_config.short_gate,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -207,29 +209,49 @@ class CepeForCausalLM(nn.Module):
                 w = m.q_proj.weight
                 m.match_gate = nn.Parameter(torch.zeros(m.num_heads, 3, device=w.device, dtype=w.dtype))
                 m.add_match_norm()
+                if m.short_gate is not None:
+                    m.add_short_gate()  # its match weights
         self.cepe_config.match_gate = True
 
-    def enable_length_scale(self, length: int, below: bool = False) -> None:
+    def enable_short_gate(self) -> None:
+        """Give every cross-attention layer its gates for contexts shorter than the pivot
+        (``CepeConfig.short_gate``), zero, to an adapter with length exponents (``length_scale``) trained
+        without them (exactly 1: the function is unchanged). Idempotent."""
+        if self.cepe_config.length_scale is None:
+            raise ValueError("short_gate needs length_scale (its pivot): enable_length_scale first")
+        for m in self.cross_attention_modules():
+            m.add_short_gate()
+        self.cepe_config.short_gate = True
+
+    def enable_length_scale(self, length: int, below: bool = False, above: bool = False) -> None:
         """Give every cross-attention head its context-length exponent (``CepeConfig.length_scale``: the
         query scaled by ``(n / length)^τ_h``), zero, to an adapter trained without (exactly 1: the function
-        is unchanged). ``below``: ``CepeConfig.length_scale_below``. Idempotent for the same arguments."""
-        if self.cepe_config.length_scale is not None and (
-            self.cepe_config.length_scale != length or self.cepe_config.length_scale_below != below
-        ):
+        is unchanged). ``below``: ``CepeConfig.length_scale_below``, fixed once the exponents exist.
+        ``above``: ``CepeConfig.length_scale_above``, the exponents for longer contexts, also zero, which an
+        adapter with exponents for the same pivot may gain later. Idempotent for the same arguments."""
+        c = self.cepe_config
+        if c.length_scale is not None and (c.length_scale != length or c.length_scale_below != below):
             raise ValueError(
-                f"this adapter's length_scale is {self.cepe_config.length_scale} (below: "
-                f"{self.cepe_config.length_scale_below}), not {length} (below: {below}): its exponents were "
-                "trained for that reference"
+                f"this adapter's length_scale is {c.length_scale} (below: {c.length_scale_below}), not "
+                f"{length} (below: {below}): its exponents were trained for that reference"
+            )
+        if c.length_scale_above and not above:
+            raise ValueError(
+                "this adapter has exponents for contexts above its pivot (length_scale_above): keep "
+                "length_scale_above: true"
             )
         for m in self.cross_attention_modules():
+            w = m.q_proj.weight
             if m.length_exp is None:
-                w = m.q_proj.weight
                 m.length_exp = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
                 m.length_ref = float(length)
                 m.length_below = bool(below)
-        self.cepe_config.length_scale = int(length)
-        self.cepe_config.length_scale_below = bool(below)
-        self.cepe_config.validate()
+            if above and m.length_exp_above is None:
+                m.length_exp_above = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
+        c.length_scale = int(length)
+        c.length_scale_below = bool(below)
+        c.length_scale_above = bool(above)
+        c.validate()
 
     @torch.no_grad()
     def calibrate_match_gate(self, run: Callable[[], Any], min_std: float = 1e-3) -> dict[int, torch.Tensor]:

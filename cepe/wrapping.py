@@ -133,6 +133,8 @@ def attach_cross_attention(
     match_gate: bool = False,
     length_scale: int | None = None,
     length_scale_below: bool = False,
+    length_scale_above: bool = False,
+    short_gate: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -165,6 +167,8 @@ def attach_cross_attention(
             match_gate=match_gate,
             length_scale=length_scale,
             length_scale_below=length_scale_below,
+            length_scale_above=length_scale_above,
+            short_gate=short_gate,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

@@ -1,4 +1,5 @@
-"""A copy of an adapter with its context-length exponents (``CepeConfig.length_scale``) times ``alpha``.
+"""A copy of an adapter with its context-length exponents (``CepeConfig.length_scale``, and
+``length_scale_above``'s) times ``alpha``.
 
 ``alpha`` 0 gives the adapter the exponents were trained over (every factor exactly 1), 1 the trained one;
 in between, each head's factor ``(n / length_scale)^(alpha·τ_h)`` is the geometric interpolation of the two.
@@ -31,7 +32,7 @@ def scale(adapter: str, out: str, alpha: float) -> Path:
         raise SystemExit("OUT_DIR must differ from ADAPTER_DIR")
     state = load_file(str(weights))
     for k in state:
-        if k.endswith("cross_attn.length_exp"):
+        if k.endswith(("cross_attn.length_exp", "cross_attn.length_exp_above")):
             state[k] = (state[k].float() * alpha).to(state[k].dtype)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():

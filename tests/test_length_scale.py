@@ -170,3 +170,51 @@ def test_below_leaves_contexts_at_or_above_the_pivot_unscaled():
     assert plain.cepe_config.length_scale_below and plain.cross_attention_modules()[0].length_below
     with pytest.raises(ValueError, match="below"):
         plain.enable_length_scale(16)
+
+
+def test_above_scales_only_contexts_beyond_the_pivot():
+    """``length_scale_above``: below the pivot (8 tokens, pivot 16) the exponents above change nothing; above
+    it (24 tokens) the factor is ``(n / 16)^τ'_h`` times what ``length_scale_below`` leaves (exactly 1
+    there), which is an uncapped model whose τ is τ'. Added to a capped adapter it changes nothing."""
+    enc_ids, enc_mask = random_context(1, 3)  # 24 real tokens
+    short_mask = enc_mask.clone()
+    short_mask[0, 1:] = False  # 8 real tokens
+    ids = _ids(1)
+    both = _scaled(ref=16, length_scale_below=True, length_scale_above=True)
+    capped = _scaled(ref=16, length_scale_below=True)
+    uncapped = _scaled(ref=16)
+    for b, c, u in zip(*(m.cross_attention_modules() for m in (both, capped, uncapped))):
+        assert not torch.equal(b.length_exp_above, b.length_exp)  # randomised apart
+        weights = dict(b.named_parameters())
+        with torch.no_grad():
+            for name, p in c.named_parameters():  # the same weights; the uncapped τ is τ'
+                p.copy_(weights[name])
+                u.get_parameter(name).copy_(weights["length_exp_above" if name == "length_exp" else name])
+
+    def run(model, mask):
+        with torch.no_grad():
+            return model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=mask).logits
+
+    assert torch.equal(run(both, short_mask), run(capped, short_mask))
+    assert torch.equal(run(both, enc_mask), run(uncapped, enc_mask))
+    assert not torch.allclose(run(both, enc_mask), run(capped, enc_mask))
+    before = run(capped, enc_mask)
+    capped.enable_length_scale(16, below=True, above=True)
+    capped.enable_length_scale(16, below=True, above=True)  # idempotent
+    assert capped.cepe_config.length_scale_above and torch.equal(run(capped, enc_mask), before)
+    with pytest.raises(ValueError, match="length_scale_above"):
+        capped.enable_length_scale(16, below=True)
+    with pytest.raises(ValueError, match="need length_scale"):
+        tiny_cepe_config(length_scale_above=True)
+
+
+def test_scale_length_exponents_script_scales_the_exponents_above_too(tmp_path):
+    from conftest import load_script
+
+    model = _scaled(ref=16, length_scale_below=True, length_scale_above=True)
+    model.save_pretrained(tmp_path / "a")
+    load_script("scale_length_exponents").main([str(tmp_path / "a"), str(tmp_path / "h"), "--alpha", "0.5"])
+    half = CepeForCausalLM.from_pretrained(tmp_path / "h", decoder=tiny_decoder())
+    for a, b in zip(model.cross_attention_modules(), half.cross_attention_modules()):
+        assert torch.equal(b.length_exp, a.length_exp * 0.5)
+        assert torch.equal(b.length_exp_above, a.length_exp_above * 0.5)

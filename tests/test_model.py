@@ -293,27 +293,30 @@ def test_packed_keys_match_unpacked():
 
 
 @pytest.mark.parametrize(
-    "null_key,token_gate,match_gate,length_scale",
+    "null_key,token_gate,match_gate,lengths",
     [
-        (False, False, False, None),
-        (True, False, False, None),
-        (True, True, False, None),
-        (True, True, True, None),
-        (False, False, False, 20),
-        (True, False, True, 20),
+        (False, False, False, {}),
+        (True, False, False, {}),
+        (True, True, False, {}),
+        (True, True, True, {}),
+        (False, False, False, {"length_scale": 20}),
+        (True, False, True, {"length_scale": 20}),
+        (False, False, False, {"length_scale": 20, "length_scale_below": True, "length_scale_above": True}),
+        (True, True, True, {"length_scale": 20, "short_gate": True}),
     ],
 )
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_cache_modes_agree(impl, null_key, token_gate, match_gate, length_scale):
+def test_cache_modes_agree(impl, null_key, token_gate, match_gate, lengths):
     """With null keys: kv caches them with K/V; absorbed falls back to projected keys. With token gates,
-    match gates or length exponents (randomised by randomize_cross like every cross-attention weight) every
-    mode scales its heads alike (the two examples have 24 and 16 context tokens: one scaled up, one down)."""
+    match gates, length exponents (below and above the pivot) or gates for short contexts (randomised by
+    randomize_cross like every cross-attention weight) every mode scales its heads alike (the two examples
+    have 24 and 16 context tokens: one above the pivot, one below)."""
     cfg = tiny_cepe_config(
         attn_implementation=impl,
         null_key=null_key,
         token_gate=token_gate,
         match_gate=match_gate,
-        length_scale=length_scale,
+        **lengths,
     )
     model = CepeForCausalLM.from_decoder(tiny_decoder(), cfg).eval()
     randomize_cross(model)

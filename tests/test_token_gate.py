@@ -102,12 +102,15 @@ def test_token_gate_saves_and_loads(tmp_path):
         ({"match_gate": True}, "match_gate", {}, (".match_gate", ".match_norm")),
         ({"match_gate": True}, "match_gate", {"match_gate_calibrate": 2}, (".match_gate", ".match_norm")),
         ({"length_scale": 7}, "length_exp", {}, (".length_exp",)),
+        ({"length_scale": 7, "length_scale_above": True}, "length_exp_above", {}, (".length_exp_above",)),
+        ({"length_scale": 7, "short_gate": True}, "short_gate", {}, (".short_gate.",)),
     ],
 )
 def test_a_stage_adds_gates_and_trains_only_them(tmp_path, cepe, attr, extra, parts):
-    """``cepe: {token_gate: true}`` (or ``match_gate``, its norms calibrated or not, or ``length_scale``)
-    over an ``init_adapter`` trained without, with ``train_only`` naming the new weights: zero weights
-    that train, every other adapter weight unchanged."""
+    """``cepe: {token_gate: true}`` (or ``match_gate``, its norms calibrated or not, or ``length_scale``,
+    with or without the exponents above the pivot) over an ``init_adapter`` trained without, with
+    ``train_only`` naming the new weights: zero weights that train, every other adapter weight unchanged
+    (new ones left out of ``train_only`` stay zero)."""
     import yaml
 
     from cepe.training.config import load_config
@@ -121,7 +124,7 @@ def test_a_stage_adds_gates_and_trains_only_them(tmp_path, cepe, attr, extra, pa
     first = train(load_config({**d, "output_dir": str(tmp_path / "first")}))
     dec = lambda: build_decoder(load_config({**d, "output_dir": "unused"}))  # noqa: E731
     start = CepeForCausalLM.from_pretrained(first, decoder=dec())
-    (option,) = cepe
+    option = next(iter(cepe))
     assert not getattr(start.cepe_config, option)
     cfg = load_config(
         {
@@ -135,10 +138,12 @@ def test_a_stage_adds_gates_and_trains_only_them(tmp_path, cepe, attr, extra, pa
         }
     )
     trained = CepeForCausalLM.from_pretrained(train(cfg), decoder=dec())
-    assert getattr(trained.cepe_config, option) == cepe[option]
+    assert all(getattr(trained.cepe_config, k) == v for k, v in cepe.items())
     before = start.adapter_state_dict()
     after = trained.adapter_state_dict()
-    moved = {k for k in after if k not in before or not torch.equal(before[k], after[k])}
+    moved = {
+        k for k in after if (after[k].any() if k not in before else not torch.equal(before[k], after[k]))
+    }
     assert moved and all(any(p in k for p in parts) for k in moved)
     if extra.get("match_gate_calibrate"):  # means and spreads of real statistics, not (0, 1, 0, 1)
         norms = torch.stack([m.match_norm for m in trained.cross_attention_modules()])

@@ -124,7 +124,13 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         if cfg.cepe.get("match_gate") and not model.cepe_config.match_gate:
             model.enable_match_gate()  # match-strength head gates added to an adapter trained without
         if cfg.cepe.get("length_scale"):  # context-length exponents added (an adapter with others: an error)
-            model.enable_length_scale(int(cfg.cepe["length_scale"]), bool(cfg.cepe.get("length_scale_below")))
+            model.enable_length_scale(
+                int(cfg.cepe["length_scale"]),
+                bool(cfg.cepe.get("length_scale_below")),
+                bool(cfg.cepe.get("length_scale_above")),
+            )
+        if cfg.cepe.get("short_gate") and not model.cepe_config.short_gate:
+            model.enable_short_gate()  # gates for contexts shorter than the pivot
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
