@@ -6,7 +6,9 @@ in between, each head's factor ``(n / length_scale)^(alpha·τ_h)`` is the geome
 Choose ``alpha`` on validation data (docs/TRAINING.md, "The gates together, and heads that sharpen with the
 context's length").
 
-Usage: python scripts/scale_length_exponents.py ADAPTER_DIR OUT_DIR --alpha 0.5
+Usage: python scripts/scale_length_exponents.py ADAPTER_DIR OUT_DIR --alpha 0.5 [--only below|above]
+(``--only above``: just the exponents for contexts longer than the pivot, ``length_scale_above``'s;
+``--only below``: just the others.)
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from cepe.fileio import atomic_path
 
+NAMES = {"below": ("cross_attn.length_exp",), "above": ("cross_attn.length_exp_above",)}
 
-def scale(adapter: str, out: str, alpha: float) -> Path:
+
+def scale(adapter: str, out: str, alpha: float, only: str | None = None) -> Path:
     src, dst = Path(adapter), Path(out)
     weights = src / "adapter_model.safetensors"
     if not weights.is_file():
@@ -31,8 +35,11 @@ def scale(adapter: str, out: str, alpha: float) -> Path:
     if src.resolve() == dst.resolve():
         raise SystemExit("OUT_DIR must differ from ADAPTER_DIR")
     state = load_file(str(weights))
+    names = NAMES[only] if only else NAMES["below"] + NAMES["above"]
+    if not any(k.endswith(names) for k in state):
+        raise SystemExit(f"{adapter} has no {only} length exponents")
     for k in state:
-        if k.endswith(("cross_attn.length_exp", "cross_attn.length_exp_above")):
+        if k.endswith(names):
             state[k] = (state[k].float() * alpha).to(state[k].dtype)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -48,9 +55,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("adapter", help="an adapter directory with length exponents")
     ap.add_argument("out", help="the new adapter directory")
     ap.add_argument("--alpha", type=float, required=True, help="multiplier on every exponent")
+    ap.add_argument("--only", choices=sorted(NAMES), help="scale only the exponents below or above the pivot")
     a = ap.parse_args(argv)
-    path = scale(a.adapter, a.out, a.alpha)
-    print(f"wrote {path} (length exponents x {a.alpha})")
+    path = scale(a.adapter, a.out, a.alpha, a.only)
+    print(f"wrote {path} (length exponents{f' ({a.only} the pivot)' if a.only else ''} x {a.alpha})")
     return path
 
 

@@ -208,7 +208,7 @@ def test_above_scales_only_contexts_beyond_the_pivot():
         tiny_cepe_config(length_scale_above=True)
 
 
-def test_scale_length_exponents_script_scales_the_exponents_above_too(tmp_path):
+def test_scale_length_exponents_script_scales_the_exponents_above_too_or_alone(tmp_path):
     from conftest import load_script
 
     model = _scaled(ref=16, length_scale_below=True, length_scale_above=True)
@@ -218,3 +218,12 @@ def test_scale_length_exponents_script_scales_the_exponents_above_too(tmp_path):
     for a, b in zip(model.cross_attention_modules(), half.cross_attention_modules()):
         assert torch.equal(b.length_exp, a.length_exp * 0.5)
         assert torch.equal(b.length_exp_above, a.length_exp_above * 0.5)
+    script = load_script("scale_length_exponents")
+    script.main([str(tmp_path / "a"), str(tmp_path / "up"), "--alpha", "0.5", "--only", "above"])
+    up = CepeForCausalLM.from_pretrained(tmp_path / "up", decoder=tiny_decoder())
+    for a, b in zip(model.cross_attention_modules(), up.cross_attention_modules()):
+        assert torch.equal(b.length_exp, a.length_exp)
+        assert torch.equal(b.length_exp_above, a.length_exp_above * 0.5)
+    _scaled(ref=16).save_pretrained(tmp_path / "b")
+    with pytest.raises(SystemExit, match="no above length exponents"):
+        script.main([str(tmp_path / "b"), str(tmp_path / "c"), "--alpha", "0.5", "--only", "above"])

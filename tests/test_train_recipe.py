@@ -117,6 +117,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_foreign",
         "recall_drop",
         "recall_detour",
+        "copy_drop",
         "qa_templates",
         "qa_inline",
         "qa_span",
@@ -405,6 +406,47 @@ def test_recall_drop_shortens_the_context_and_keeps_the_cue(tmp_path):
         _mixed(tmp_path, recall_drop=-0.1)
     assert plain.fingerprint() != cfg.fingerprint()
     assert plain.fingerprint() == _mixed(tmp_path, recall_drop=0.0).fingerprint()
+
+
+def test_copy_drop_shortens_the_context_and_copies_from_what_is_kept(tmp_path):
+    """``copy_drop`` 1: every copy example drops a prefix of whole chunks and its copied span (the decoder's
+    tokens, found in the encoder through the attention targets) lies in the chunks kept; other kinds are
+    untouched, and examples that drop nothing are those of a run without it."""
+    from cepe.training.data import example_task
+
+    kinds = {
+        "tasks": {"lm": 1.0, "copy": 1.0},
+        "n_decoder": 8,
+        "recall_span": [2, 4],
+    }  # 8 copied, 4 chunks of 8
+    plain = _mixed(tmp_path, **kinds)
+    cfg = _mixed(tmp_path, **kinds, copy_drop=1.0)
+    src = window_source(cfg, 128)
+    kept = []
+    for i in range(60):
+        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
+        mask = b["encoder_attention_mask"]
+        if example_task(cfg, i) != "copy":
+            for k in ("input_ids", "labels", "encoder_input_ids", "encoder_attention_mask"):
+                assert torch.equal(a[k], b[k])
+            continue
+        assert torch.equal(a["encoder_input_ids"], b["encoder_input_ids"])
+        per_chunk = mask.all(dim=1)
+        assert torch.equal(per_chunk, mask.any(dim=1))  # whole chunks only
+        d = int((~per_chunk).sum())
+        assert not per_chunk[:d].any() and per_chunk[d:].all()  # a prefix
+        flat, length = b["encoder_input_ids"].reshape(-1), mask.shape[1]
+        start = int(b["align_targets"][0]) - 1  # the span's first encoder position
+        n = int((b["labels"] != -100).sum())
+        assert start >= d * length and torch.equal(b["input_ids"][:n], flat[start : start + n])
+        if d == 0:
+            assert torch.equal(a["input_ids"], b["input_ids"])
+        kept.append(mask.shape[0] - d)
+    assert len(set(kept)) > 1 and min(kept) < cfg.n_chunks
+    with pytest.raises(ValueError, match="copy_drop"):
+        _mixed(tmp_path, copy_drop=1.5)
+    assert plain.fingerprint() != cfg.fingerprint()
+    assert plain.fingerprint() == _mixed(tmp_path, **kinds, copy_drop=0.0).fingerprint()
 
 
 def test_recall_detour_puts_own_tokens_between_cue_and_span(tmp_path):

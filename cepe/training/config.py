@@ -190,6 +190,9 @@ class TrainConfig:
             example.
         recall_foreign: mixed stage: the fraction of recall examples whose cue and span are another
             window's text planted over the encoder's (a needle the decoder's own text does not predict).
+        copy_drop: mixed stage: the probability that a copy example keeps only its last ``k ~ U(1, K)``
+            encoder chunks (at least the decoder's tokens) and copies from them, so that copying is trained
+            at short context lengths too, not only at the full K·L.
         recall_drop: mixed stage: the probability that a recall example keeps only its last chunks, from
             one drawn uniformly at or before the cue's (the cue stays): recall at every context length.
         recall_detour: mixed stage: the probability that a recall example puts 1-3 of the decoder's own
@@ -302,6 +305,7 @@ class TrainConfig:
     chunk_lengths: list[int] | None = None
     tasks: dict[str, float] | None = None
     copy_shuffle: float = 0.0
+    copy_drop: float = 0.0
     recall_cue: int = 8
     recall_span: list[int] = field(default_factory=lambda: [8, 32])
     recall_foreign: float = 0.0
@@ -542,6 +546,7 @@ class TrainConfig:
             0.0 <= self.recall_foreign <= 1.0, f"recall_foreign must be in [0, 1], got {self.recall_foreign}"
         )
         _check(0.0 <= self.recall_drop <= 1.0, f"recall_drop must be in [0, 1], got {self.recall_drop}")
+        _check(0.0 <= self.copy_drop <= 1.0, f"copy_drop must be in [0, 1], got {self.copy_drop}")
         _check(0.0 <= self.recall_detour <= 1.0, f"recall_detour must be in [0, 1], got {self.recall_detour}")
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
@@ -640,6 +645,7 @@ class TrainConfig:
             "recall_foreign",
             "recall_drop",
             "recall_detour",
+            "copy_drop",
         ):
             if not d.get(key):
                 d.pop(key, None)

@@ -19,6 +19,7 @@ from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
 _DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG, _DETOUR_TAG = 31, 37, 41, 43, 47, 53
+_COPY_DROP_TAG = 59
 FOREIGN_OFFSET = 10_000_019
 """A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
@@ -252,7 +253,8 @@ def mixed_example(
       K·L tokens with chunk noise. No attention targets.
     - ``copy``: the decoder gets n tokens copied from a seeded place of the encoder's K·L (retrieval among
       K chunks, then copying); with ``copy_shuffle`` those K·L tokens are permuted first (only copying can
-      predict them).
+      predict them); with ``copy_drop`` that share keeps only the last ``k ~ U(1, K)`` chunks (at least
+      the decoder's n tokens) and copies from them: copying from short contexts too.
     - ``recall``: the decoder continues the window for ``n - c - s`` tokens, then a cue of c tokens copied
       from a seeded place of the encoder, then the s tokens that follow the cue there
       (``recall_cue``, ``recall_span``): it must notice the cue, find it among the chunks and read on. The
@@ -302,7 +304,16 @@ def mixed_example(
             flat = flat[torch.randperm(m, generator=g)]
             enc = flat.reshape(enc.shape)
         span = min(n, m)
-        start = int(torch.randint(0, m - span + 1, (1,), generator=g))
+        lo = 0  # with copy_drop, the copied span lies in the kept chunks
+        if cfg.copy_drop > 0:  # no draw at 0: older runs unchanged
+            chunks, length = mask.shape
+            gd = example_generator(seed, _COPY_DROP_TAG, index)
+            if float(torch.rand((), generator=gd)) < cfg.copy_drop:
+                kept = int(torch.randint(1, chunks + 1, (1,), generator=gd))
+                d = min(chunks - kept, (m - span) // length)
+                mask = _drop_first_chunks(mask, d)
+                lo = d * length
+        start = int(torch.randint(lo, m - span + 1, (1,), generator=g))
         dec = dec.clone()
         dec[:span] = flat[start : start + span]
         labels = dec.clone()
