@@ -55,6 +55,12 @@ ROUTE = [
     ("fast_direct_len3_half", 40),
     ("fast_direct_len4", 40),
     ("fast_direct_len4g", 30),
+    ("fast_direct_len5", 40),
+    ("fast_direct_len6", 40),
+    ("fast_direct_short", 40),
+    ("fast_direct_copyshort", 40),
+    ("fast_direct_copyshort_up", 40),
+    ("fast_direct_copyshort2", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
@@ -74,6 +80,14 @@ def stage_row(stage: str, step: int) -> dict:
     d = ROOT / stage / f"step{step:03d}"
     row: dict = {"stage": stage, "step": step}
     row.update(copy_columns(d / "copy" / "copy.json", "cepe"))
+    copy_val = _load(d / "copy_val" / "copy.json")
+    if copy_val:  # the validation copy probe (retrieval split), natural order
+        vals = {
+            r["setting"]["domain"]: r["value"]
+            for r in copy_val["rows"]
+            if r["method"] == "cepe" and r["setting"]["order"] == "natural"
+        }
+        row["copy_val"] = [vals.get(k) for k in ("books", "papers", "code")]
     cal = _load(d / "calibrate.json")
     if cal:
         c = cal["rows"][0]
@@ -102,12 +116,13 @@ def stage_row(stage: str, step: int) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| checkpoint | copy natural (essays / papers / code) | copy shuffled | validation needle 2K / 4K / 8K "
+        "| checkpoint | copy natural (essays / papers / code) | copy shuffled "
+        "| validation copy (books / papers / code) | validation needle 2K / 4K / 8K "
         "(%) | answer NLL 2K / 4K / 8K | second validation needle 2K / 4K / 8K (%) | `lm_val` 1K / 2K "
         "| reported needle 2K / 4K / 8K (%) | reported mean "
         "| ICL 2+4 / 2+8 | QA k = 2 / 5 / 10 |"
     )
-    out = [head, "|" + "---|" * 11]
+    out = [head, "|" + "---|" * 12]
     for r in rows:
         icl, qa = r.get("icl", {}), r.get("qa", {})
         out.append(
@@ -117,6 +132,7 @@ def markdown(rows: list[dict]) -> str:
                     f"`{r['stage']}` step {r['step']}",
                     r.get("copy ppl natural (essays / papers / code)", ""),
                     r.get("copy ppl shuffled (essays / papers / code)", ""),
+                    _fmt(r.get("copy_val", [])),
                     _fmt(r.get("val_needle", []), 0),
                     _fmt(r.get("val_answer_nll", []), 2),
                     _fmt(r.get("val2_needle", []), 0),

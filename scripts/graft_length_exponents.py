@@ -1,0 +1,71 @@
+"""An adapter with another adapter's exponents for contexts longer than the pivot
+(``CepeConfig.length_scale_above``) grafted on.
+
+Both adapters must have capped exponents (``length_scale_below``) at the same pivot. Then a context of at most
+``length_scale`` tokens reads exactly as BASE reads it, and a longer one as BASE with DONOR's exponents
+above the pivot: where BASE and DONOR share every weight that acts on long contexts (their other
+differences act only below the pivot: capped exponents, ``short_gate``), that is exactly DONOR there.
+
+Usage: python scripts/graft_length_exponents.py BASE_DIR DONOR_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from cepe.fileio import atomic_path
+
+ABOVE = "cross_attn.length_exp_above"
+
+
+def graft(base: str, donor: str, out: str) -> Path:
+    src, don, dst = Path(base), Path(donor), Path(out)
+    for d in (src, don):
+        if not (d / "adapter_model.safetensors").is_file():
+            raise SystemExit(f"no adapter_model.safetensors in {d}: pass adapter directories")
+    if dst.resolve() in (src.resolve(), don.resolve()):
+        raise SystemExit("OUT_DIR must differ from BASE_DIR and DONOR_DIR")
+    cfg_b = json.loads((src / "cepe_config.json").read_text())
+    cfg_d = json.loads((don / "cepe_config.json").read_text())
+    if not cfg_d.get("length_scale_above"):
+        raise SystemExit(f"{donor} has no exponents above its pivot (length_scale_above is off)")
+    for c, name in ((cfg_b, base), (cfg_d, donor)):
+        if not c.get("length_scale") or not c.get("length_scale_below"):
+            raise SystemExit(f"{name} needs capped length exponents (length_scale with length_scale_below)")
+    if cfg_b["length_scale"] != cfg_d["length_scale"]:
+        raise SystemExit(f"the pivots differ: {cfg_b['length_scale']} (base) against {cfg_d['length_scale']}")
+    state = load_file(str(src / "adapter_model.safetensors"))
+    grafted = {
+        k: v for k, v in load_file(str(don / "adapter_model.safetensors")).items() if k.endswith(ABOVE)
+    }
+    state = {k: v for k, v in state.items() if not k.endswith(ABOVE)} | grafted
+    cfg_b["length_scale_above"] = True
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("adapter_model.safetensors", "cepe_config.json"):
+            shutil.copy2(f, dst / f.name)
+    with atomic_path(dst / "cepe_config.json") as tmp:
+        tmp.write_text(json.dumps(cfg_b, indent=2) + "\n")
+    with atomic_path(dst / "adapter_model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    return dst
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("base", help="the adapter to graft onto (capped length exponents)")
+    ap.add_argument("donor", help="the adapter whose exponents above the pivot are taken")
+    ap.add_argument("out", help="the new adapter directory")
+    a = ap.parse_args(argv)
+    path = graft(a.base, a.donor, a.out)
+    print(f"wrote {path} ({a.base} with the exponents above the pivot of {a.donor})")
+    return path
+
+
+if __name__ == "__main__":
+    main()
