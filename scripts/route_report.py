@@ -60,7 +60,7 @@ ROUTE = [
     ("fast_direct_short", 40),
     ("fast_direct_copyshort", 40),
     ("fast_direct_copyshort_up", 40),
-    ("fast_direct_copyshort2", 40),
+    ("fast_direct_copyshort2_up", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
