@@ -227,3 +227,39 @@ def test_scale_length_exponents_script_scales_the_exponents_above_too_or_alone(t
     _scaled(ref=16).save_pretrained(tmp_path / "b")
     with pytest.raises(SystemExit, match="no above length exponents"):
         script.main([str(tmp_path / "b"), str(tmp_path / "c"), "--alpha", "0.5", "--only", "above"])
+
+
+def test_graft_length_exponents_script(tmp_path):
+    """The donor's exponents above the pivot on the base: contexts under the pivot read as the base, longer
+    ones as the donor (which differs from the base only in its exponents below the pivot and above it)."""
+    from conftest import load_script
+
+    script = load_script("graft_length_exponents")
+    base = _scaled(ref=16, length_scale_below=True)
+    base.save_pretrained(tmp_path / "base")
+    donor = CepeForCausalLM.from_pretrained(tmp_path / "base", decoder=tiny_decoder()).eval()
+    donor.enable_length_scale(16, below=True, above=True)
+    with torch.no_grad():
+        for m in donor.cross_attention_modules():
+            m.length_exp.mul_(-2.0)
+            m.length_exp_above.fill_(0.7)
+    donor.save_pretrained(tmp_path / "donor")
+    out = script.main([str(tmp_path / "base"), str(tmp_path / "donor"), str(tmp_path / "out")])
+    grafted = CepeForCausalLM.from_pretrained(out, decoder=tiny_decoder()).eval()
+    assert grafted.cepe_config.length_scale_above and grafted.cepe_config.length_scale_below
+    enc_ids, long_mask = random_context(1, 3)  # 24 real tokens
+    short_mask = long_mask.clone()
+    short_mask[0, 1:] = False  # 8
+
+    def run(model, mask):
+        with torch.no_grad():
+            return model(_ids(1), encoder_input_ids=enc_ids, encoder_attention_mask=mask).logits
+
+    assert torch.equal(run(grafted, short_mask), run(base, short_mask))
+    assert torch.equal(run(grafted, long_mask), run(donor, long_mask))
+    assert not torch.allclose(run(grafted, long_mask), run(base, long_mask))
+    with pytest.raises(SystemExit, match="no exponents above"):
+        script.main([str(tmp_path / "donor"), str(tmp_path / "base"), str(tmp_path / "x")])
+    _scaled(ref=32, length_scale_below=True, length_scale_above=True).save_pretrained(tmp_path / "other")
+    with pytest.raises(SystemExit, match="pivots differ"):
+        script.main([str(tmp_path / "base"), str(tmp_path / "other"), str(tmp_path / "x")])
