@@ -554,24 +554,19 @@ class CrossAttention(nn.Module):
             self.o_proj.weight.zero_()
         else:
             self.o_proj.weight.copy_(self_attn.o_proj.weight)
-        if self.gate is not None:
-            self.gate.zero_()
-        if self.null_key is not None:
-            self.null_key.zero_()
-        if self.token_gate is not None:
-            self.token_gate.weight.zero_()
-            self.token_gate.bias.zero_()
-        if self.match_gate is not None:
-            self.match_gate.zero_()
-        if self.length_exp is not None:
-            self.length_exp.zero_()
-        if self.length_exp_above is not None:
-            self.length_exp_above.zero_()
-        if self.short_gate is not None:
-            self.short_gate.weight.zero_()
-            self.short_gate.bias.zero_()
-        if self.short_match is not None:
-            self.short_match.zero_()
+        zero_at_init = (
+            self.gate,
+            self.null_key,
+            self.token_gate,
+            self.match_gate,
+            self.length_exp,
+            self.length_exp_above,
+            self.short_gate,
+            self.short_match,
+        )
+        for part in zero_at_init:  # each exactly the layer without it at zero
+            for w in part.parameters() if isinstance(part, nn.Module) else [part] if part is not None else []:
+                w.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)
             if mine is not None:

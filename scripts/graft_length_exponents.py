@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
-from cepe.fileio import atomic_path
+from safetensors.torch import load_file
+from scale_length_exponents import write_adapter  # scripts/ is on the path when this file is run
 
 ABOVE = "cross_attn.length_exp_above"
 
@@ -45,15 +43,7 @@ def graft(base: str, donor: str, out: str) -> Path:
     }
     state = {k: v for k, v in state.items() if not k.endswith(ABOVE)} | grafted
     cfg_b["length_scale_above"] = True
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("adapter_model.safetensors", "cepe_config.json"):
-            shutil.copy2(f, dst / f.name)
-    with atomic_path(dst / "cepe_config.json") as tmp:
-        tmp.write_text(json.dumps(cfg_b, indent=2) + "\n")
-    with atomic_path(dst / "adapter_model.safetensors") as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
-    return dst
+    return write_adapter(src, dst, state, cfg_b)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -41,11 +41,21 @@ def scale(adapter: str, out: str, alpha: float, only: str | None = None) -> Path
     for k in state:
         if k.endswith(names):
             state[k] = (state[k].float() * alpha).to(state[k].dtype)
+    return write_adapter(src, dst, state)
+
+
+def write_adapter(src: Path, dst: Path, state: dict, config: dict | None = None) -> Path:
+    """``dst``: ``src``'s files with ``state`` as its weights (and ``config`` as its cepe_config.json),
+    each written atomically."""
     dst.mkdir(parents=True, exist_ok=True)
+    new = ("adapter_model.safetensors",) + (("cepe_config.json",) if config is not None else ())
     for f in src.iterdir():
-        if f.name != weights.name and f.is_file():
+        if f.is_file() and f.name not in new:
             shutil.copy2(f, dst / f.name)
-    with atomic_path(dst / weights.name) as tmp:
+    if config is not None:
+        with atomic_path(dst / "cepe_config.json") as tmp:
+            tmp.write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_path(dst / "adapter_model.safetensors") as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     return dst
 

@@ -108,8 +108,12 @@ def random_context(b: int, k: int, length: int = 8, seed: int = 2):
 
 
 def load_script(name: str):
-    """The module of ``scripts/<name>.py`` (scripts are not a package)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
+    """The module of ``scripts/<name>.py`` (scripts are not a package), with ``scripts/`` on the path as
+    when the script is run, so that it can import its neighbours."""
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    if scripts not in sys.path:
+        sys.path.append(scripts)
+    path = os.path.join(scripts, f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
