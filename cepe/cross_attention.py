@@ -252,6 +252,16 @@ def match_stats_sdpa(q: torch.Tensor, keys: MatchKeys, scale: float) -> torch.Te
     return _match_features(real.log() - mean.log(), e_s, keys.log_n)
 
 
+def zero_linear(d_in: int, d_out: int, like: torch.Tensor) -> nn.Linear:
+    """A ``Linear(d_in, d_out)`` with bias, all zero, on ``like``'s device and dtype (a gate that starts
+    exactly at 1)."""
+    lin = nn.Linear(d_in, d_out, bias=True, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        lin.weight.zero_()
+        lin.bias.zero_()
+    return lin
+
+
 class CrossAttention(nn.Module):
     """One cross-attention block; returns the update ``o_proj(attn(...))`` to add to the residual stream.
 
@@ -302,10 +312,7 @@ class CrossAttention(nn.Module):
         # A per-token, per-head strength (``CepeConfig.token_gate``): head h's output is scaled by
         # 2·σ(w_h·RMSNorm(h_t) + b_h), exactly 1 at its zero init, so each token can read less (or more)
         # of the context than the head's fixed strength gives.
-        self.token_gate = nn.Linear(decoder_hidden, num_heads, bias=True) if token_gate else None
-        if self.token_gate is not None:
-            nn.init.zeros_(self.token_gate.weight)
-            nn.init.zeros_(self.token_gate.bias)
+        self.token_gate = zero_linear(decoder_hidden, num_heads, self.q_proj.weight) if token_gate else None
         # A per-token, per-head strength from how strongly the head's query matches the context
         # (``CepeConfig.match_gate``): head h's output is scaled by 2·σ(a_h·m + c_h·κ̂ + b_h) (its logit added
         # to the token gate's), from the log-mean-exp m of its scores and its attention's concentration κ̂
@@ -333,7 +340,7 @@ class CrossAttention(nn.Module):
         if short_gate:
             if not length_scale:
                 raise ValueError("short_gate needs length_scale (the pivot below which the gates act)")
-            self.add_short_gate(decoder_hidden)
+            self.add_short_gate()
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -407,7 +414,7 @@ class CrossAttention(nn.Module):
             logit = (feats * w[None, :, None, :2]).sum(-1) + w[None, :, None, 2]
         if self.short_gate is not None:
             short = self.short_gate(normed).float().transpose(1, 2)  # (B, H, T)
-            if match is not None and self.short_match is not None:
+            if self.short_match is not None:  # exists with match gates only, whose statistics ``match`` is
                 short = short + (feats * self.short_match.float()[None, :, None, :]).sum(-1)
             short = short * self.short_factor(ctx)[:, None, None]
             logit = short if logit is None else logit + short
@@ -445,18 +452,12 @@ class CrossAttention(nn.Module):
             expo = expo + self.length_exp_above.float()[None, :] * (ctx.log_n[:, None] - log_ref).clamp_min(0)
         return (q.float() * torch.exp(expo)[:, :, None, None]).to(q.dtype)
 
-    def add_short_gate(self, decoder_hidden: int | None = None) -> None:
+    def add_short_gate(self) -> None:
         """``short_gate`` ``Linear(D_dec, H)`` and, with match gates, ``short_match`` ``(H, 2)`` (rows a', c'),
         zero, where missing."""
         w = self.q_proj.weight
         if self.short_gate is None:
-            gate = nn.Linear(
-                decoder_hidden or w.shape[1], self.num_heads, bias=True, device=w.device, dtype=w.dtype
-            )
-            with torch.no_grad():
-                gate.weight.zero_()
-                gate.bias.zero_()
-            self.short_gate = gate
+            self.short_gate = zero_linear(w.shape[1], self.num_heads, w)
         if self.match_gate is not None and self.short_match is None:
             self.short_match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
 
@@ -564,8 +565,8 @@ class CrossAttention(nn.Module):
             self.short_gate,
             self.short_match,
         )
-        for part in zero_at_init:  # each exactly the layer without it at zero
-            for w in part.parameters() if isinstance(part, nn.Module) else [part] if part is not None else []:
+        for part in (p for p in zero_at_init if p is not None):  # each exactly the layer without it at zero
+            for w in part.parameters() if isinstance(part, nn.Module) else [part]:
                 w.zero_()
         for name in ("q_norm", "k_norm"):
             mine, theirs = getattr(self, name), getattr(self_attn, name, None)

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import CACHE_MODES, CepeConfig, default_encoder_config
-from .cross_attention import CrossContext
+from .cross_attention import CrossContext, zero_linear
 from .encoder import ContextEncoder
 from .fileio import umask
 from .layers import norm_scale
@@ -192,12 +192,7 @@ class CepeForCausalLM(nn.Module):
         Idempotent."""
         for m in self.cross_attention_modules():
             if m.token_gate is None:
-                w = m.q_proj.weight
-                gate = nn.Linear(w.shape[1], m.num_heads, bias=True, device=w.device, dtype=w.dtype)
-                with torch.no_grad():
-                    gate.weight.zero_()
-                    gate.bias.zero_()
-                m.token_gate = gate
+                m.token_gate = zero_linear(m.q_proj.in_features, m.num_heads, m.q_proj.weight)
         self.cepe_config.token_gate = True
 
     def enable_match_gate(self) -> None:

@@ -263,3 +263,30 @@ def test_graft_length_exponents_script(tmp_path):
     _scaled(ref=32, length_scale_below=True, length_scale_above=True).save_pretrained(tmp_path / "other")
     with pytest.raises(SystemExit, match="pivots differ"):
         script.main([str(tmp_path / "base"), str(tmp_path / "other"), str(tmp_path / "x")])
+
+
+def test_length_exp_stats_script(tmp_path):
+    """The script's numbers are the saved exponents' and gates' own."""
+    from conftest import load_script
+
+    model = _scaled(ref=16, length_scale_below=True, length_scale_above=True, short_gate=True)
+    with torch.no_grad():
+        for i, m in enumerate(model.cross_attention_modules()):
+            m.length_exp.copy_(torch.linspace(-0.1, 0.2, m.num_heads))
+            m.length_exp_above.fill_(0.01 * (i + 1))
+            m.short_gate.bias.fill_(-0.5)
+    model.save_pretrained(tmp_path / "a")
+    res = load_script("length_exp_stats").main([str(tmp_path / "a"), "--align-heads", "1"])[
+        str(tmp_path / "a")
+    ]
+    m = model.cross_attention_modules()[0]
+    n = len(model.cross_attention_modules())
+    assert res["length_exp"]["heads"] == n * m.num_heads
+    assert res["length_exp"]["median_align_heads"] == pytest.approx(-0.1)
+    assert res["length_exp"]["above_0.05"] == n * int((m.length_exp > 0.05).sum())
+    assert res["length_exp_above"]["max"] == pytest.approx(0.01 * n)
+    assert res["short_gate"]["median_bias"] == pytest.approx(-0.5)
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    plain.save_pretrained(tmp_path / "b")
+    with pytest.raises(SystemExit, match="no length exponents"):
+        load_script("length_exp_stats").main([str(tmp_path / "b")])
