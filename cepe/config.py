@@ -147,6 +147,9 @@ class CepeConfig:
             (when ``match_gate`` is on), is multiplied by ``max(0, log(length_scale / n))`` and added to
             the other gates' logits, so contexts of ``length_scale`` tokens or more read exactly as without
             them; zero-initialised (exactly 1: an adapter gains them without changing its function).
+        long_gate: with ``length_scale``, their mirror for contexts longer than the pivot: the same gates,
+            their logit multiplied by ``max(0, log(n / length_scale))``, so contexts of ``length_scale``
+            tokens or fewer read exactly as without them; zero-initialised.
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -174,6 +177,7 @@ class CepeConfig:
     length_scale_below: bool = False
     length_scale_above: bool = False
     short_gate: bool = False
+    long_gate: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -217,6 +221,10 @@ class CepeConfig:
         check(
             self.length_scale is not None or not self.short_gate,
             "short_gate needs length_scale (the pivot, in context tokens, below which the gates act)",
+        )
+        check(
+            self.length_scale is not None or not self.long_gate,
+            "long_gate needs length_scale (the pivot, in context tokens, above which the gates act)",
         )
         check(
             math.isfinite(self.context_scale) and self.context_scale >= 0,

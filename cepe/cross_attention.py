@@ -287,6 +287,7 @@ class CrossAttention(nn.Module):
         length_scale_below: bool = False,
         length_scale_above: bool = False,
         short_gate: bool = False,
+        long_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -341,6 +342,14 @@ class CrossAttention(nn.Module):
             if not length_scale:
                 raise ValueError("short_gate needs length_scale (the pivot below which the gates act)")
             self.add_short_gate()
+        # Their mirror for contexts longer than the pivot (``CepeConfig.long_gate``): the logit multiplied by
+        # max(0, log(n / length_ref)), zero at init and at contexts of length_ref tokens or fewer.
+        self.long_gate: nn.Linear | None = None
+        self.long_match: nn.Parameter | None = None
+        if long_gate:
+            if not length_scale:
+                raise ValueError("long_gate needs length_scale (the pivot above which the gates act)")
+            self.add_long_gate()
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -412,12 +421,17 @@ class CrossAttention(nn.Module):
             w, norm = self.match_gate.float(), self.match_norm.float()
             feats = (match - norm[None, :, None, 0::2]) / norm[None, :, None, 1::2]
             logit = (feats * w[None, :, None, :2]).sum(-1) + w[None, :, None, 2]
-        if self.short_gate is not None:
-            short = self.short_gate(normed).float().transpose(1, 2)  # (B, H, T)
-            if self.short_match is not None:  # exists with match gates only, whose statistics ``match`` is
-                short = short + (feats * self.short_match.float()[None, :, None, :]).sum(-1)
-            short = short * self.short_factor(ctx)[:, None, None]
-            logit = short if logit is None else logit + short
+        for gate, weights, factor in (
+            (self.short_gate, self.short_match, self.short_factor),
+            (self.long_gate, self.long_match, self.long_factor),
+        ):
+            if gate is None:
+                continue
+            side = gate(normed).float().transpose(1, 2)  # (B, H, T)
+            if weights is not None:  # exists with match gates only, whose statistics ``feats`` are
+                side = side + (feats * weights.float()[None, :, None, :]).sum(-1)
+            side = side * factor(ctx)[:, None, None]
+            logit = side if logit is None else logit + side
         if logit is not None:
             if self.token_gate is not None:
                 logit = logit + self.token_gate(normed).float().transpose(1, 2)
@@ -436,6 +450,12 @@ class CrossAttention(nn.Module):
         if ctx.log_n is None:
             raise ValueError("short_gate needs the context's length: build the context with prepare_context")
         return (math.log(self.length_ref) - ctx.log_n).clamp_min(0)
+
+    def long_factor(self, ctx: CrossContext) -> torch.Tensor:
+        """``long_gate``'s length feature ``(B,)``: ``max(0, log(n / length_ref))`` in fp32."""
+        if ctx.log_n is None:
+            raise ValueError("long_gate needs the context's length: build the context with prepare_context")
+        return (ctx.log_n - math.log(self.length_ref)).clamp_min(0)
 
     def length_scaled(self, q: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
         """``q`` ``(B, H, T, hd)`` times ``(n / length_ref)^τ_h`` per example and head (n at most ``length_ref``
@@ -460,6 +480,15 @@ class CrossAttention(nn.Module):
             self.short_gate = zero_linear(w.shape[1], self.num_heads, w)
         if self.match_gate is not None and self.short_match is None:
             self.short_match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
+
+    def add_long_gate(self) -> None:
+        """``long_gate`` ``Linear(D_dec, H)`` and, with match gates, ``long_match`` ``(H, 2)``, zero, where
+        missing."""
+        w = self.q_proj.weight
+        if self.long_gate is None:
+            self.long_gate = zero_linear(w.shape[1], self.num_heads, w)
+        if self.match_gate is not None and self.long_match is None:
+            self.long_match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
 
     def add_match_norm(self) -> None:
         """The match gate's feature standardisation ``(H, 4)``: rows ``(μ_m, σ_m, μ_κ, σ_κ)``, a saved
@@ -564,6 +593,8 @@ class CrossAttention(nn.Module):
             self.length_exp_above,
             self.short_gate,
             self.short_match,
+            self.long_gate,
+            self.long_match,
         )
         for part in (p for p in zero_at_init if p is not None):  # each exactly the layer without it at zero
             for w in part.parameters() if isinstance(part, nn.Module) else [part]:

@@ -65,6 +65,7 @@ class CepeForCausalLM(nn.Module):
             length_scale_below=cepe_config.length_scale_below,
             length_scale_above=cepe_config.length_scale_above,
             short_gate=cepe_config.short_gate,
+            long_gate=cepe_config.long_gate,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -206,6 +207,8 @@ class CepeForCausalLM(nn.Module):
                 m.add_match_norm()
                 if m.short_gate is not None:
                     m.add_short_gate()  # its match weights
+                if m.long_gate is not None:
+                    m.add_long_gate()
         self.cepe_config.match_gate = True
 
     def enable_short_gate(self) -> None:
@@ -217,6 +220,16 @@ class CepeForCausalLM(nn.Module):
         for m in self.cross_attention_modules():
             m.add_short_gate()
         self.cepe_config.short_gate = True
+
+    def enable_long_gate(self) -> None:
+        """Give every cross-attention layer its gates for contexts longer than the pivot
+        (``CepeConfig.long_gate``), zero, to an adapter with length exponents (``length_scale``) trained
+        without them (exactly 1: the function is unchanged). Idempotent."""
+        if self.cepe_config.length_scale is None:
+            raise ValueError("long_gate needs length_scale (its pivot): enable_length_scale first")
+        for m in self.cross_attention_modules():
+            m.add_long_gate()
+        self.cepe_config.long_gate = True
 
     def enable_length_scale(self, length: int, below: bool = False, above: bool = False) -> None:
         """Give every cross-attention head its context-length exponent (``CepeConfig.length_scale``: the

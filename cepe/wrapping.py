@@ -135,6 +135,7 @@ def attach_cross_attention(
     length_scale_below: bool = False,
     length_scale_above: bool = False,
     short_gate: bool = False,
+    long_gate: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -169,6 +170,7 @@ def attach_cross_attention(
             length_scale_below=length_scale_below,
             length_scale_above=length_scale_above,
             short_gate=short_gate,
+            long_gate=long_gate,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

@@ -303,12 +303,13 @@ def test_packed_keys_match_unpacked():
         (True, False, True, {"length_scale": 20}),
         (False, False, False, {"length_scale": 20, "length_scale_below": True, "length_scale_above": True}),
         (True, True, True, {"length_scale": 20, "short_gate": True}),
+        (True, True, True, {"length_scale": 20, "short_gate": True, "long_gate": True}),
     ],
 )
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_cache_modes_agree(impl, null_key, token_gate, match_gate, lengths):
     """With null keys: kv caches them with K/V; absorbed falls back to projected keys. With token gates,
-    match gates, length exponents (below and above the pivot) or gates for short contexts (randomised by
+    match gates, length exponents (below and above the pivot) or gates for short and long contexts (randomised by
     randomize_cross like every cross-attention weight) every mode scales its heads alike (the two examples
     have 24 and 16 context tokens: one above the pivot, one below)."""
     cfg = tiny_cepe_config(

@@ -1,5 +1,6 @@
 """Gates for contexts shorter than the pivot (``CepeConfig.short_gate``): their logit times
-``max(0, log(length_scale / n))``, added to the token and match gates' logits."""
+``max(0, log(length_scale / n))``, added to the token and match gates' logits; and their mirror for longer
+contexts (``CepeConfig.long_gate``), times ``max(0, log(n / length_scale))``."""
 
 from __future__ import annotations
 
@@ -95,3 +96,60 @@ def test_gradients_save_load_and_a_match_gate_added_later(tmp_path):
         tiny_cepe_config(short_gate=True)
     with pytest.raises(ValueError, match="enable_length_scale first"):
         CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).enable_short_gate()
+
+
+def _long_model(long: bool) -> CepeForCausalLM:
+    model = _model(short=False)
+    if long:
+        model.enable_long_gate()
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for m in model.cross_attention_modules():
+                for p in (m.long_gate.weight, m.long_gate.bias, m.long_match):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def test_long_gates_act_above_the_pivot_only_as_the_other_gates_moved():
+    """Added zero: nothing changes; trained: contexts at or below the pivot are untouched, and at n = 24
+    they are the token and match gates moved by ``log(24 / 16)`` times their own weights."""
+    enc_ids, long_mask, short_mask = _masks()
+    plain = _long_model(long=False)
+    before = {k: _logits(plain, enc_ids, m) for k, m in (("long", long_mask), ("short", short_mask))}
+    plain.enable_long_gate()
+    plain.enable_long_gate()  # idempotent
+    assert plain.cepe_config.long_gate
+    for k, m in (("long", long_mask), ("short", short_mask)):
+        assert torch.equal(_logits(plain, enc_ids, m), before[k])
+    gated, folded = _long_model(long=True), _long_model(long=False)
+    assert torch.equal(_logits(gated, enc_ids, short_mask), before["short"])
+    assert not torch.allclose(_logits(gated, enc_ids, long_mask), before["long"])
+    f = math.log(24 / PIVOT)
+    with torch.no_grad():
+        for g, m in zip(gated.cross_attention_modules(), folded.cross_attention_modules()):
+            m.token_gate.weight += f * g.long_gate.weight
+            m.token_gate.bias += f * g.long_gate.bias
+            m.match_gate[:, :2] += f * g.long_match
+    torch.testing.assert_close(
+        _logits(gated, enc_ids, long_mask), _logits(folded, enc_ids, long_mask), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_long_gates_train_save_load_and_need_a_pivot(tmp_path):
+    enc_ids, long_mask, _ = _masks()
+    model = _long_model(long=True).train()
+    model(_ids(), encoder_input_ids=enc_ids, encoder_attention_mask=long_mask, labels=_ids()).loss.backward()
+    grads = [p.grad for m in model.cross_attention_modules() for p in (m.long_gate.weight, m.long_match)]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+    model.eval().save_pretrained(tmp_path)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path, decoder=tiny_decoder()).eval()
+    assert loaded.cepe_config.long_gate
+    assert torch.equal(_logits(loaded, enc_ids, long_mask), _logits(model, enc_ids, long_mask))
+    bare = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(length_scale=PIVOT, long_gate=True))
+    assert bare.cross_attention_modules()[0].long_match is None
+    bare.enable_match_gate()  # the long gates gain their match weights, zero
+    assert all(not m.long_match.any() for m in bare.cross_attention_modules())
+    with pytest.raises(ValueError, match="long_gate needs length_scale"):
+        tiny_cepe_config(long_gate=True)
+    with pytest.raises(ValueError, match="enable_length_scale first"):
+        CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).enable_long_gate()

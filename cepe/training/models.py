@@ -131,6 +131,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             )
         if cfg.cepe.get("short_gate") and not model.cepe_config.short_gate:
             model.enable_short_gate()  # gates for contexts shorter than the pivot
+        if cfg.cepe.get("long_gate") and not model.cepe_config.long_gate:
+            model.enable_long_gate()  # and their mirror for longer contexts
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
