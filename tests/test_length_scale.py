@@ -230,8 +230,9 @@ def test_scale_length_exponents_script_scales_the_exponents_above_too_or_alone(t
 
 
 def test_graft_length_exponents_script(tmp_path):
-    """The donor's exponents above the pivot on the base: contexts under the pivot read as the base, longer
-    ones as the donor (which differs from the base only in its exponents below the pivot and above it)."""
+    """The donor's exponents and gates above the pivot on the base: contexts under the pivot read as the base,
+    longer ones as the donor (which differs from the base in its exponents below the pivot and above it and
+    in its long gates)."""
     from conftest import load_script
 
     script = load_script("graft_length_exponents")
@@ -239,14 +240,17 @@ def test_graft_length_exponents_script(tmp_path):
     base.save_pretrained(tmp_path / "base")
     donor = CepeForCausalLM.from_pretrained(tmp_path / "base", decoder=tiny_decoder()).eval()
     donor.enable_length_scale(16, below=True, above=True)
+    donor.enable_long_gate()
     with torch.no_grad():
         for m in donor.cross_attention_modules():
             m.length_exp.mul_(-2.0)
             m.length_exp_above.fill_(0.7)
+            m.long_gate.bias.fill_(-0.4)
     donor.save_pretrained(tmp_path / "donor")
     out = script.main([str(tmp_path / "base"), str(tmp_path / "donor"), str(tmp_path / "out")])
     grafted = CepeForCausalLM.from_pretrained(out, decoder=tiny_decoder()).eval()
-    assert grafted.cepe_config.length_scale_above and grafted.cepe_config.length_scale_below
+    c = grafted.cepe_config
+    assert c.length_scale_above and c.length_scale_below and c.long_gate
     enc_ids, long_mask = random_context(1, 3)  # 24 real tokens
     short_mask = long_mask.clone()
     short_mask[0, 1:] = False  # 8
@@ -258,7 +262,7 @@ def test_graft_length_exponents_script(tmp_path):
     assert torch.equal(run(grafted, short_mask), run(base, short_mask))
     assert torch.equal(run(grafted, long_mask), run(donor, long_mask))
     assert not torch.allclose(run(grafted, long_mask), run(base, long_mask))
-    with pytest.raises(SystemExit, match="no exponents above"):
+    with pytest.raises(SystemExit, match="no weights above"):
         script.main([str(tmp_path / "donor"), str(tmp_path / "base"), str(tmp_path / "x")])
     _scaled(ref=32, length_scale_below=True, length_scale_above=True).save_pretrained(tmp_path / "other")
     with pytest.raises(SystemExit, match="pivots differ"):
