@@ -2,7 +2,8 @@
 # The probes every stage end of the recipe route gets (docs/TRAINING.md tables): the reported needle from
 # the encoder (needle_encoder.yaml), the copy probe, the validation needle with its answer NLL and the
 # validation perplexity (calibrate_context_scale.sh at scale 1), the second validation needle
-# (needle_val2.yaml) and the validation copy probe (copy_val.yaml); with FULL=1 also ICL (2 + 4 / 2 + 8)
+# (needle_val2.yaml), the validation copy probe (copy_val.yaml) and the validation perplexity beyond the
+# length exponents' pivot (lm_val_long.yaml: 4K / 8K totals); with FULL=1 also ICL (2 + 4 / 2 + 8)
 # and QA (k = 2 / 5 / 10). Results: results/recipe/NAME/stepNNN/. Run with nothing training on the same cores.
 # Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
 set -euo pipefail
@@ -20,6 +21,7 @@ ev copy copy copy
 ICL_VAL=0 bash scripts/calibrate_context_scale.sh "$ADAPTER" "$OUT" 1 > "$OUT/calibrate.log" 2>&1
 ev needle needle_val2 needle_val2
 ev copy copy_val copy_val
+ev lm lm_val_long lm_val_long
 if [ "${FULL:-0}" = 1 ]; then
   ev icl icl icl --batch-size 1
   ev qa qa qa --batch-size 1
@@ -39,6 +41,8 @@ by = {}
 for r in rows:
     by.setdefault(r["setting"]["total"], []).append(r["value"])
 print("second validation needle", {k: round(sum(v) / len(v)) for k, v in sorted(by.items())})
+rows = json.load(open(f"{out}/lm_val_long/lm.json"))["rows"]
+print("lm_val_long 4K / 8K", " / ".join(f"{r['value']:.2f}" for r in rows if r["setting"]["domain"] == "avg"))
 for name in ("copy", "copy_val"):
     rows = json.load(open(f"{out}/{name}/copy.json"))["rows"]
     print(name, "natural", " / ".join(f"{r['value']:.1f}" for r in rows if r["setting"]["order"] == "natural"))

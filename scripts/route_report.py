@@ -1,7 +1,8 @@
 """Summarise the short route's stages (docs/TRAINING.md, "The short route" and "Recall again after the
 decision, then questions") into results/recipe/short_route.{json,md,png}: per stage-end checkpoint, the
 copy probe, the validation needle (greedy accuracy and answer NLL), validation perplexity, the reported
-needle, ICL and QA, read from the result folders the documented commands wrote
+needle, ICL and QA and, where written, validation perplexity beyond the pivot (lm_val_long), read from the
+result folders the documented commands wrote
 (results/recipe/NAME/stepNNN/{copy,calibrate.json,needle_encoder,icl,qa}). A missing result is left blank.
 
 Usage: python scripts/route_report.py [OUT_DIR]   (default results/recipe)
@@ -61,6 +62,8 @@ ROUTE = [
     ("fast_direct_copyshort", 40),
     ("fast_direct_copyshort_up", 40),
     ("fast_direct_copyshort2_up", 40),
+    ("fast_direct_copyshort3", 40),
+    ("fast_direct_long", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
@@ -94,6 +97,10 @@ def stage_row(stage: str, step: int) -> dict:
         row["val_needle"] = [c.get(f"needle_{t}") for t in TOTALS]
         row["val_answer_nll"] = [c.get(f"needle_nll_{t}") for t in TOTALS]
         row["lm_val"] = [c.get("lm_val_1024"), c.get("lm_val_2048")]
+    lm_long = _load(d / "lm_val_long" / "lm.json")
+    if lm_long:  # validation perplexity beyond the pivot (configs/eval/lm_val_long.yaml), domain average
+        avg = {r["setting"]["total"]: r["value"] for r in lm_long["rows"] if r["setting"]["domain"] == "avg"}
+        row["lm_val_long"] = [avg.get(4096), avg.get(8192)]
     val2 = _load(d / "needle_val2" / "needle.json")
     if val2:
         rows = [r for r in val2["rows"] if r["method"] == "cepe"]
@@ -119,10 +126,11 @@ def markdown(rows: list[dict]) -> str:
         "| checkpoint | copy natural (essays / papers / code) | copy shuffled "
         "| validation copy (books / papers / code) | validation needle 2K / 4K / 8K "
         "(%) | answer NLL 2K / 4K / 8K | second validation needle 2K / 4K / 8K (%) | `lm_val` 1K / 2K "
+        "| `lm_val_long` 4K / 8K "
         "| reported needle 2K / 4K / 8K (%) | reported mean "
         "| ICL 2+4 / 2+8 | QA k = 2 / 5 / 10 |"
     )
-    out = [head, "|" + "---|" * 12]
+    out = [head, "|" + "---|" * 13]
     for r in rows:
         icl, qa = r.get("icl", {}), r.get("qa", {})
         out.append(
@@ -137,6 +145,7 @@ def markdown(rows: list[dict]) -> str:
                     _fmt(r.get("val_answer_nll", []), 2),
                     _fmt(r.get("val2_needle", []), 0),
                     _fmt(r.get("lm_val", [])),
+                    _fmt(r.get("lm_val_long", [])),
                     _fmt(r.get("needle", []), 0),
                     "" if "needle_mean" not in r else f"{r['needle_mean']:.0f}",
                     _fmt([icl.get(k) for k in ("4", "8")], 0) if icl else "",
