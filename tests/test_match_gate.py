@@ -284,3 +284,38 @@ def test_sensor_cost_script(capsys):
     assert set(out) == {"attention_ms", "build_keys_ms", "sensor_attention_ms"}
     assert all(v > 0 for v in out.values())
     assert "sensor_attention_ms:" in capsys.readouterr().out
+
+
+def test_shift_match_gates_script(tmp_path):
+    """``scripts/shift_match_gates.py``: the bias row and both match weights move by exactly what is asked;
+    zero shifts are the adapter itself, and a very negative bias closes every gate (the decoder alone)."""
+    from conftest import load_script
+
+    script = load_script("shift_match_gates")
+    model = _gated()
+    model.save_pretrained(tmp_path / "a")
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+
+    def logits(path=None, m=None):
+        m = m or CepeForCausalLM.from_pretrained(path, decoder=tiny_decoder()).eval()
+        with torch.no_grad():
+            return m(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+
+    same = script.main([str(tmp_path / "a"), str(tmp_path / "same"), "--bias", "0", "--gain", "0"])
+    assert torch.equal(logits(same), logits(m=model))
+    moved = CepeForCausalLM.from_pretrained(
+        script.shift(str(tmp_path / "a"), str(tmp_path / "moved"), -1.5, 0.25), decoder=tiny_decoder()
+    )
+    for a, b in zip(model.cross_attention_modules(), moved.cross_attention_modules()):
+        torch.testing.assert_close(
+            b.match_gate - a.match_gate, torch.tensor([0.25, 0.25, -1.5]).expand_as(a.match_gate)
+        )
+    shut = script.main([str(tmp_path / "a"), str(tmp_path / "shut"), "--bias", "-200", "--gain", "0"])
+    with torch.no_grad():
+        alone = model(ids).logits
+    torch.testing.assert_close(logits(shut), alone, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(logits(m=model), alone)
+    CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).save_pretrained(tmp_path / "b")
+    with pytest.raises(SystemExit, match="no match gates"):
+        script.main([str(tmp_path / "b"), str(tmp_path / "c"), "--bias", "-1", "--gain", "0"])
