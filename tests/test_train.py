@@ -31,6 +31,7 @@ DERIVED = {
         "runs/recipe/fast_direct_copyshort",
         "runs/recipe/fast_direct_len6_half",
     ],
+    "runs/recipe/shift_b-2_g0": ["runs/recipe/fast_direct_copyshort_up"],  # shift_match_gates.py --bias -2
 }
 
 
