@@ -335,21 +335,19 @@ class CrossAttention(nn.Module):
         )
         # Gates for contexts shorter than the pivot (``CepeConfig.short_gate``): a token gate and, with
         # match gates, weights on their statistics, whose logit is multiplied by max(0, log(length_ref / n)):
-        # zero at init and at contexts of length_ref tokens or more.
+        # zero at init and at contexts of length_ref tokens or more; and their mirror for longer contexts
+        # (``CepeConfig.long_gate``), times max(0, log(n / length_ref)), zero at length_ref tokens or fewer.
         self.short_gate: nn.Linear | None = None
         self.short_match: nn.Parameter | None = None
-        if short_gate:
-            if not length_scale:
-                raise ValueError("short_gate needs length_scale (the pivot below which the gates act)")
-            self.add_short_gate()
-        # Their mirror for contexts longer than the pivot (``CepeConfig.long_gate``): the logit multiplied by
-        # max(0, log(n / length_ref)), zero at init and at contexts of length_ref tokens or fewer.
         self.long_gate: nn.Linear | None = None
         self.long_match: nn.Parameter | None = None
-        if long_gate:
-            if not length_scale:
-                raise ValueError("long_gate needs length_scale (the pivot above which the gates act)")
-            self.add_long_gate()
+        for side, on in (("short", short_gate), ("long", long_gate)):
+            if on:
+                if not length_scale:
+                    raise ValueError(
+                        f"{side}_gate needs length_scale (the pivot on whose side the gates act)"
+                    )
+                self.add_side_gate(side)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -472,23 +470,15 @@ class CrossAttention(nn.Module):
             expo = expo + self.length_exp_above.float()[None, :] * (ctx.log_n[:, None] - log_ref).clamp_min(0)
         return (q.float() * torch.exp(expo)[:, :, None, None]).to(q.dtype)
 
-    def add_short_gate(self) -> None:
-        """``short_gate`` ``Linear(D_dec, H)`` and, with match gates, ``short_match`` ``(H, 2)`` (rows a', c'),
-        zero, where missing."""
+    def add_side_gate(self, side: str) -> None:
+        """``{side}_gate`` ``Linear(D_dec, H)`` and, with match gates, ``{side}_match`` ``(H, 2)`` (rows a, c),
+        zero, where missing; ``side`` is ``"short"`` (``CepeConfig.short_gate``) or ``"long"``."""
         w = self.q_proj.weight
-        if self.short_gate is None:
-            self.short_gate = zero_linear(w.shape[1], self.num_heads, w)
-        if self.match_gate is not None and self.short_match is None:
-            self.short_match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
-
-    def add_long_gate(self) -> None:
-        """``long_gate`` ``Linear(D_dec, H)`` and, with match gates, ``long_match`` ``(H, 2)``, zero, where
-        missing."""
-        w = self.q_proj.weight
-        if self.long_gate is None:
-            self.long_gate = zero_linear(w.shape[1], self.num_heads, w)
-        if self.match_gate is not None and self.long_match is None:
-            self.long_match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
+        if getattr(self, f"{side}_gate") is None:
+            setattr(self, f"{side}_gate", zero_linear(w.shape[1], self.num_heads, w))
+        if self.match_gate is not None and getattr(self, f"{side}_match") is None:
+            match = nn.Parameter(torch.zeros(self.num_heads, 2, device=w.device, dtype=w.dtype))
+            setattr(self, f"{side}_match", match)
 
     def add_match_norm(self) -> None:
         """The match gate's feature standardisation ``(H, 4)``: rows ``(μ_m, σ_m, μ_κ, σ_κ)``, a saved

@@ -205,31 +205,27 @@ class CepeForCausalLM(nn.Module):
                 w = m.q_proj.weight
                 m.match_gate = nn.Parameter(torch.zeros(m.num_heads, 3, device=w.device, dtype=w.dtype))
                 m.add_match_norm()
-                if m.short_gate is not None:
-                    m.add_short_gate()  # its match weights
-                if m.long_gate is not None:
-                    m.add_long_gate()
+                for side in ("short", "long"):  # their match weights
+                    if getattr(m, f"{side}_gate") is not None:
+                        m.add_side_gate(side)
         self.cepe_config.match_gate = True
 
     def enable_short_gate(self) -> None:
         """Give every cross-attention layer its gates for contexts shorter than the pivot
         (``CepeConfig.short_gate``), zero, to an adapter with length exponents (``length_scale``) trained
         without them (exactly 1: the function is unchanged). Idempotent."""
-        if self.cepe_config.length_scale is None:
-            raise ValueError("short_gate needs length_scale (its pivot): enable_length_scale first")
-        for m in self.cross_attention_modules():
-            m.add_short_gate()
-        self.cepe_config.short_gate = True
+        self._enable_side_gate("short")
 
     def enable_long_gate(self) -> None:
-        """Give every cross-attention layer its gates for contexts longer than the pivot
-        (``CepeConfig.long_gate``), zero, to an adapter with length exponents (``length_scale``) trained
-        without them (exactly 1: the function is unchanged). Idempotent."""
+        """:meth:`enable_short_gate` for contexts longer than the pivot (``CepeConfig.long_gate``)."""
+        self._enable_side_gate("long")
+
+    def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
-            raise ValueError("long_gate needs length_scale (its pivot): enable_length_scale first")
+            raise ValueError(f"{side}_gate needs length_scale (its pivot): enable_length_scale first")
         for m in self.cross_attention_modules():
-            m.add_long_gate()
-        self.cepe_config.long_gate = True
+            m.add_side_gate(side)
+        setattr(self.cepe_config, f"{side}_gate", True)
 
     def enable_length_scale(self, length: int, below: bool = False, above: bool = False) -> None:
         """Give every cross-attention head its context-length exponent (``CepeConfig.length_scale``: the
