@@ -419,17 +419,18 @@ class CrossAttention(nn.Module):
             w, norm = self.match_gate.float(), self.match_norm.float()
             feats = (match - norm[None, :, None, 0::2]) / norm[None, :, None, 1::2]
             logit = (feats * w[None, :, None, :2]).sum(-1) + w[None, :, None, 2]
-        for gate, weights, factor in (
-            (self.short_gate, self.short_match, self.short_factor),
-            (self.long_gate, self.long_match, self.long_factor),
-        ):
-            if gate is None:
-                continue
-            side = gate(normed).float().transpose(1, 2)  # (B, H, T)
-            if weights is not None:  # exists with match gates only, whose statistics ``feats`` are
-                side = side + (feats * weights.float()[None, :, None, :]).sum(-1)
-            side = side * factor(ctx)[:, None, None]
-            logit = side if logit is None else logit + side
+        if self.short_gate is not None or self.long_gate is not None:
+            factors = self.side_factors(ctx)
+            for gate, weights, factor in zip(
+                (self.short_gate, self.long_gate), (self.short_match, self.long_match), factors
+            ):
+                if gate is None:
+                    continue
+                side = gate(normed).float().transpose(1, 2)  # (B, H, T)
+                if weights is not None:  # exists with match gates only, whose statistics ``feats`` are
+                    side = side + (feats * weights.float()[None, :, None, :]).sum(-1)
+                side = side * factor[:, None, None]
+                logit = side if logit is None else logit + side
         if logit is not None:
             if self.token_gate is not None:
                 logit = logit + self.token_gate(normed).float().transpose(1, 2)
@@ -443,17 +444,15 @@ class CrossAttention(nn.Module):
             out = out * ctx.has_context.to(out.dtype)  # examples without context get exactly zero
         return out
 
-    def short_factor(self, ctx: CrossContext) -> torch.Tensor:
-        """``short_gate``'s length feature ``(B,)``: ``max(0, log(length_ref / n))`` in fp32."""
+    def side_factors(self, ctx: CrossContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short and long gates' length features ``(B,)`` each, in fp32: ``max(0, log(length_ref / n))``
+        and ``max(0, log(n / length_ref))``."""
         if ctx.log_n is None:
-            raise ValueError("short_gate needs the context's length: build the context with prepare_context")
-        return (math.log(self.length_ref) - ctx.log_n).clamp_min(0)
-
-    def long_factor(self, ctx: CrossContext) -> torch.Tensor:
-        """``long_gate``'s length feature ``(B,)``: ``max(0, log(n / length_ref))`` in fp32."""
-        if ctx.log_n is None:
-            raise ValueError("long_gate needs the context's length: build the context with prepare_context")
-        return (ctx.log_n - math.log(self.length_ref)).clamp_min(0)
+            raise ValueError(
+                "short_gate / long_gate need the context's length: build the context with prepare_context"
+            )
+        r = ctx.log_n - math.log(self.length_ref)
+        return (-r).clamp_min(0), r.clamp_min(0)
 
     def length_scaled(self, q: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
         """``q`` ``(B, H, T, hd)`` times ``(n / length_ref)^τ_h`` per example and head (n at most ``length_ref``
