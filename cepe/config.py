@@ -150,6 +150,15 @@ class CepeConfig:
         long_gate: with ``length_scale``, their mirror for contexts longer than the pivot: the same gates,
             their logit multiplied by ``max(0, log(n / length_scale))``, so contexts of ``length_scale``
             tokens or fewer read exactly as without them; zero-initialised.
+        induction_gate: a per-head weight on whether the head's reading continues a run through the
+            context: its logit ``w_h·ι̂`` is added to the other gates' (or scales the head by ``2·σ(w_h·ι̂)``
+            alone), with ``ι̂ = clamp(log(n·p_t(j⁺)) / log n, −1, 1)``, ``p_t`` the head's attention at token t
+            and ``j⁺`` the key after the one its previous token's query attended to most: near 1 while a
+            copy goes on (an induction step), 0 for uniform attention, −1 for a chance match elsewhere (no
+            gradient flows through ι̂); zero-initialised (exactly 1). Generation carries each layer's last
+            read position from call to call, beam search included; ``absorbed`` projects keys as
+            ``states`` does, and every query's scores are computed once more (an argmax is not a fused
+            attention's output) (beyond the released code).
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -178,6 +187,7 @@ class CepeConfig:
     length_scale_above: bool = False
     short_gate: bool = False
     long_gate: bool = False
+    induction_gate: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 

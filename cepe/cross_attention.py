@@ -44,6 +44,10 @@ class CrossContext:
         match_memo: per layer, the match statistics of its last call under autograd with the query and
             ``k_proj`` version they came from: gradient checkpointing runs each layer again in backward
             with the same query, and the statistics (no gradient) are then reused, not recomputed.
+        read_state: per layer, where each head read last (``CepeConfig.induction_gate``): the key its last
+            query attended to most ``(B, H)`` and the number of decoder tokens seen by then, so that the
+            next incremental call (generation) continues the run; kept only without autograd.
+        read_memo: :attr:`match_memo` for the induction statistic.
     """
 
     states: torch.Tensor
@@ -58,10 +62,18 @@ class CrossContext:
     align: AlignProbe | None = None
     match_kv: dict[int, MatchKeys] = field(default_factory=dict)
     match_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
+    read_state: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    read_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
         return self.states.shape[0]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Follow a reordering of the decoder's rows (beam search): each layer's :attr:`read_state` row i
+        becomes row ``rows[i]``'s."""
+        for layer, (where, seen) in list(self.read_state.items()):
+            self.read_state[layer] = (where.index_select(0, rows.to(where.device)), seen)
 
     def expand(self, batch: int) -> CrossContext:
         """The context repeated for a batch of ``batch`` rows (beam search, several samples)."""
@@ -252,6 +264,114 @@ def match_stats_sdpa(q: torch.Tensor, keys: MatchKeys, scale: float) -> torch.Te
     return _match_features(real.log() - mean.log(), e_s, keys.log_n)
 
 
+READ_CHUNK = 1 << 24  # scores held at once by :func:`induction_stats` (per chunk of queries)
+
+
+def next_keys(key_mask: torch.Tensor | None, b: int, s: int, device: torch.device) -> torch.Tensor:
+    """``(B, S)`` long: for every key, the index of the next real key after it (-1 where none): the text's
+    next token, since chunks are laid out in order and packing keeps real keys in order."""
+    idx = torch.arange(s, device=device)
+    if key_mask is None:
+        nxt = idx + 1
+        nxt = torch.where(nxt < s, nxt, torch.full_like(nxt, -1))
+        return nxt[None].expand(b, -1)
+    pos = torch.where(key_mask, idx[None], torch.full_like(idx[None], s))  # (B, S): s = not real
+    after = torch.cat([pos[:, 1:], pos.new_full((b, 1), s)], dim=1)
+    nxt = after.flip(-1).cummin(-1).values.flip(-1)  # first real index > j
+    return torch.where(nxt < s, nxt, torch.full_like(nxt, -1))
+
+
+def _induction_feature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    lse: torch.Tensor,
+    best: torch.Tensor,
+    prev: torch.Tensor | None,
+) -> torch.Tensor:
+    """``ι̂`` ``(B, H, T)`` fp32 from each query's logsumexp ``lse`` and most-attended key ``best`` (both
+    ``(B, H, T)``) and the previous call's last ``best`` ``prev`` ``(B, H)`` (None: no previous token)."""
+    b, h, t, hd = q.shape
+    s = k.shape[2]
+    groups = h // k.shape[1]
+    n = torch.full((b,), s, device=q.device) if key_mask is None else key_mask.sum(-1)
+    log_n = n.clamp_min(1).float().log()[:, None, None]  # (B, 1, 1)
+    before = best.new_full((b, h, 1), -1) if prev is None else prev[..., None]
+    before = torch.cat([before, best[..., :-1]], dim=-1)  # (B, H, T): where the previous query read
+    nxt = next_keys(key_mask, b, s, q.device)  # (B, S)
+    succ = nxt.gather(1, before.clamp_min(0).reshape(b, -1)).view(b, h, t)
+    succ = torch.where(before >= 0, succ, torch.full_like(succ, -1))
+    kv_head = torch.arange(h, device=q.device) // groups  # (H,)
+    ks = k.float()[torch.arange(b, device=q.device)[:, None, None], kv_head[None, :, None], succ.clamp_min(0)]
+    score = scale * (q.float() * ks).sum(-1)  # (B, H, T): the query's score on the successor
+    feat = ((score - lse + log_n) / log_n.clamp_min(math.log(2.0))).clamp(-1.0, 1.0)
+    feat = torch.where(succ >= 0, feat, torch.full_like(feat, -1.0))  # read the last key: nothing follows
+    return torch.where(before >= 0, feat, torch.zeros_like(feat))  # no previous token: no evidence
+
+
+@torch.no_grad()
+def induction_stats_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    prev: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each head's reading continues a run through the context: the reference (fp32 scores).
+
+    With ``p_t = softmax(s_t)`` head h's attention at token t over the n real keys, ``j*_{t-1}`` the key
+    its previous token's query attended to most and ``j⁺`` the real key after it (the text's next token):
+    ``ι̂_t = clamp(log(n · p_t(j⁺)) / log n, −1, 1)``: 1 when the head now reads the token after the one
+    it read before (a copy going on: an induction step), 0 for uniform attention, −1 when it reads
+    elsewhere; 0 where there is no previous token (the first token of a call with no ``prev``) and −1
+    where ``j*_{t-1}`` is the last real key. Carries no gradient (a sensor for
+    ``CepeConfig.induction_gate``).
+
+    Args:
+        q: ``(B, H, T, hd)``; k: ``(B, KV, S, hd)``; key_mask: ``(B, S)`` bool or None.
+        prev: ``(B, H)`` long, the previous call's last ``j*`` (generation), or None.
+
+    Returns:
+        ``(ι̂ (B, H, T) fp32, j*_{T-1} (B, H) long)``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    scores = torch.matmul(q.float(), k.float().repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    best = scores.argmax(-1)  # (B, H, T)
+    return _induction_feature(q, k, key_mask, scale, lse, best, prev), best[..., -1]
+
+
+@torch.no_grad()
+def induction_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    prev: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`induction_stats_ref` with the scores in the inputs' dtype, grouped by KV head (no repeated
+    keys) and computed for a chunk of queries at a time (at most :data:`READ_CHUNK` scores held)."""
+    b, h, t, hd = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    qg = q.to(k.dtype).reshape(b, kvh, g, t, hd)
+    step = max(1, READ_CHUNK // max(1, b * h * s))
+    lse, best = [], []
+    for t0 in range(0, t, step):
+        qc = qg[:, :, :, t0 : t0 + step]
+        tc = qc.shape[3]
+        sc = torch.matmul(qc.reshape(b, kvh, g * tc, hd), k.transpose(-1, -2)) * scale  # (B, KV, G·Tc, S)
+        if key_mask is not None:
+            sc = sc.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        lse.append(torch.logsumexp(sc.float(), dim=-1).view(b, h, tc))
+        best.append(sc.argmax(-1).view(b, h, tc))
+    lse_t, best_t = torch.cat(lse, dim=-1), torch.cat(best, dim=-1)
+    return _induction_feature(q, k, key_mask, scale, lse_t, best_t, prev), best_t[..., -1]
+
+
 def zero_linear(d_in: int, d_out: int, like: torch.Tensor) -> nn.Linear:
     """A ``Linear(d_in, d_out)`` with bias, all zero, on ``like``'s device and dtype (a gate that starts
     exactly at 1)."""
@@ -288,6 +408,7 @@ class CrossAttention(nn.Module):
         length_scale_above: bool = False,
         short_gate: bool = False,
         long_gate: bool = False,
+        induction_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -348,6 +469,11 @@ class CrossAttention(nn.Module):
                         f"{side}_gate needs length_scale (the pivot on whose side the gates act)"
                     )
                 self.add_side_gate(side)
+        # A per-head weight on whether the head's reading continues a run through the context
+        # (``CepeConfig.induction_gate``): its logit w_h·ι̂ (:func:`induction_stats_ref`) is added to the
+        # other gates' (or gives 2·σ(w_h·ι̂) alone); zero at init, exactly 1.
+        self.induction_gate = nn.Parameter(torch.zeros(num_heads)) if induction_gate else None
+        self.induction_record: list[torch.Tensor] | None = None  # (B, H, T) features, for probes
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -360,8 +486,12 @@ class CrossAttention(nn.Module):
         v = self.v_proj(states).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
         return k.transpose(1, 2), v
 
-    def forward(self, hidden: torch.Tensor, ctx: CrossContext) -> torch.Tensor:
-        """``hidden`` ``(B, T, D_dec)`` (residual stream after self-attention) -> update ``(B, T, D_dec)``."""
+    def forward(self, hidden: torch.Tensor, ctx: CrossContext, past: int = 0) -> torch.Tensor:
+        """``hidden`` ``(B, T, D_dec)`` (residual stream after self-attention) -> update ``(B, T, D_dec)``.
+
+        ``past``: decoder tokens already in the self-attention cache (an incremental call continues a
+        sequence from there: the induction gates then carry on from the previous call).
+        """
         b, t, _ = hidden.shape
         normed = self.layernorm(hidden)
         q = self.q_proj(normed).view(b, t, self.num_heads, self.head_dim)
@@ -373,12 +503,13 @@ class CrossAttention(nn.Module):
         if self.length_exp is not None:
             q = self.length_scaled(q, ctx)
         key_mask = ctx.key_mask
-        match = None
+        match = induction = None
         if (
             ctx.mode == "absorbed"
             and self.k_norm is None
             and self.null_key is None
             and self.match_gate is None
+            and self.induction_gate is None
         ):
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:
@@ -403,6 +534,8 @@ class CrossAttention(nn.Module):
                 ctx.align.losses.append(align_nll(q, k[:, :, int(nulled) :], key_mask, self.scale, ctx.align))
             if self.match_gate is not None:  # over the real keys too
                 match = self.match_stats(q, k[:, :, int(nulled) :], key_mask, ctx)
+            if self.induction_gate is not None:  # (B, H, T)
+                induction = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past)
             if nulled:  # the cache holds it already; the mask gains its column
                 if key_mask is not None:
                     key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], 1), key_mask], dim=1)
@@ -431,6 +564,12 @@ class CrossAttention(nn.Module):
                     side = side + (feats * weights.float()[None, :, None, :]).sum(-1)
                 side = side * factor[:, None, None]
                 logit = side if logit is None else logit + side
+        if induction is not None:
+            if self.induction_record is not None:  # rows with context only
+                rows = induction if ctx.has_context is None else induction[ctx.has_context[:, 0, 0] > 0]
+                self.induction_record.append(rows)
+            run = induction * self.induction_gate.float()[None, :, None]
+            logit = run if logit is None else logit + run
         if logit is not None:
             if self.token_gate is not None:
                 logit = logit + self.token_gate(normed).float().transpose(1, 2)
@@ -508,6 +647,35 @@ class CrossAttention(nn.Module):
         ctx.match_memo[self.layer_idx] = (q.detach(), version, stats)
         return stats
 
+    def read_stats(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        ctx: CrossContext,
+        past: int,
+    ) -> torch.Tensor:
+        """``ι̂`` ``(B, H, T)`` (:func:`induction_stats_ref`) of the queries ``q`` against the real keys ``k``
+        (no gradient). An incremental call (``past`` > 0) continues from where this layer's heads read at
+        the end of the previous call, when that call ended at ``past``; without autograd the end of this
+        call is kept for the next (``CrossContext.read_state``)."""
+        prev = None
+        state = ctx.read_state.get(self.layer_idx)
+        if past > 0 and state is not None and state[1] == past and state[0].shape[0] == q.shape[0]:
+            prev = state[0]
+        stats = induction_stats_ref if ctx.impl == "eager" else induction_stats
+        if not torch.is_grad_enabled():
+            feat, last = stats(q, k, key_mask, self.scale, prev)
+            ctx.read_state[self.layer_idx] = (last, past + q.shape[2])
+            return feat
+        version = self.k_proj.weight._version  # gradient checkpointing: reuse the first call's (see match)
+        memo = ctx.read_memo.pop(self.layer_idx, None)
+        if memo is not None and memo[1] == version and torch.equal(memo[0], q):
+            return memo[2]
+        feat, _ = stats(q, k, key_mask, self.scale, prev)
+        ctx.read_memo[self.layer_idx] = (q.detach(), version, feat)
+        return feat
+
     def with_null_key(
         self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -584,6 +752,7 @@ class CrossAttention(nn.Module):
             self.short_match,
             self.long_gate,
             self.long_match,
+            self.induction_gate,
         )
         for part in (p for p in zero_at_init if p is not None):  # each exactly the layer without it at zero
             for w in part.parameters() if isinstance(part, nn.Module) else [part]:

@@ -66,6 +66,7 @@ class CepeForCausalLM(nn.Module):
             length_scale_above=cepe_config.length_scale_above,
             short_gate=cepe_config.short_gate,
             long_gate=cepe_config.long_gate,
+            induction_gate=cepe_config.induction_gate,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -219,6 +220,15 @@ class CepeForCausalLM(nn.Module):
     def enable_long_gate(self) -> None:
         """:meth:`enable_short_gate` for contexts longer than the pivot (``CepeConfig.long_gate``)."""
         self._enable_side_gate("long")
+
+    def enable_induction_gate(self) -> None:
+        """Give every cross-attention head its weight on the induction statistic (``CepeConfig.induction_gate``),
+        zero, to an adapter trained without (exactly 1: the function is unchanged). Idempotent."""
+        for m in self.cross_attention_modules():
+            if m.induction_gate is None:
+                w = m.q_proj.weight
+                m.induction_gate = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
+        self.cepe_config.induction_gate = True
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -508,10 +518,39 @@ class CepeForCausalLM(nn.Module):
             generate_kwargs.get("num_return_sequences") or getattr(gen, "num_return_sequences", 1) or 1
         )
         repeats = tuple(sorted({1, beams, samples, beams * samples}))
-        with self.use_context(ctx, repeats):
+        with self.use_context(ctx, repeats), self._follow_beams(ctx is not None and beams > 1):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs
             )
+
+    @contextlib.contextmanager
+    def _follow_beams(self, on: bool) -> Iterator[None]:
+        """With induction gates, beam search must also reorder where each row's heads read last: the
+        decoder's ``_reorder_cache`` (HF's hook for models whose cache is not only the KV cache) reorders
+        the contexts' ``read_state`` and then the cache, for the duration of one ``generate`` call."""
+        if not (on and self.cepe_config.induction_gate):
+            yield
+            return
+        own = self.decoder.__dict__.get("_reorder_cache")
+        inner = getattr(self.decoder, "_reorder_cache", None)
+
+        def reorder(cache, beam_idx):
+            for ctx in self._slot.contexts():
+                if ctx.batch_size == beam_idx.shape[0]:
+                    ctx.reorder(beam_idx)
+            if inner is not None:
+                return inner(cache, beam_idx)
+            cache.reorder_cache(beam_idx)
+            return cache
+
+        self.decoder._reorder_cache = reorder
+        try:
+            yield
+        finally:
+            if own is None:
+                del self.decoder._reorder_cache
+            else:
+                self.decoder._reorder_cache = own
 
     # ------------------------------------------------------------------ validation
     def _check_decoder_inputs(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> None:

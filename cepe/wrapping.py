@@ -97,6 +97,11 @@ class ContextSlot:
         self.ctx: CrossContext | None = None
         self.repeats: tuple[int, ...] = (1,)
         self._expanded: dict[int, CrossContext] = {}
+        self.past = 0  # decoder tokens already cached when the running decoder call began
+
+    def contexts(self) -> list[CrossContext]:
+        """The context and its repeated copies made so far."""
+        return ([self.ctx] if self.ctx is not None else []) + list(self._expanded.values())
 
     def set(self, ctx: CrossContext | None, repeats: tuple[int, ...] = (1,)) -> None:
         self.ctx = ctx
@@ -136,6 +141,7 @@ def attach_cross_attention(
     length_scale_above: bool = False,
     short_gate: bool = False,
     long_gate: bool = False,
+    induction_gate: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -171,6 +177,7 @@ def attach_cross_attention(
             length_scale_above=length_scale_above,
             short_gate=short_gate,
             long_gate=long_gate,
+            induction_gate=induction_gate,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())
@@ -179,7 +186,24 @@ def attach_cross_attention(
         _get(layer, family.residual_tap).register_forward_pre_hook(ResidualTap(cross), with_kwargs=True)
         _get(layer, family.branch).register_forward_hook(CrossAdd(cross, slot), with_kwargs=True)
         added.append(cross)
+    base = _get(decoder, family.layers.rpartition(".")[0]) if "." in family.layers else decoder
+    base.register_forward_pre_hook(PastTap(slot), with_kwargs=True)
     return added
+
+
+class PastTap:
+    """Forward pre-hook on the decoder's base model: records on ``slot`` how many decoder tokens its
+    self-attention cache already holds (``get_seq_length()`` of its ``cache``, ``past_key_values`` before
+    transformers 5.2x; 0 without one), so that cross-attention can tell a call that continues a sequence
+    (generation) from a fresh one."""
+
+    def __init__(self, slot: ContextSlot) -> None:
+        self.slot = slot
+
+    def __call__(self, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        length = getattr(cache, "get_seq_length", None)
+        self.slot.past = int(length()) if callable(length) else 0
 
 
 class ResidualTap:
@@ -209,6 +233,6 @@ class CrossAdd:
             return None  # no context: the layer is exactly the decoder's
         if residual is None:
             raise RuntimeError("cepe: the residual stream was not recorded before cross-attention")
-        update = cross(residual + branch, ctx)
+        update = cross(residual + branch, ctx, self.slot.past)
         branch = branch + update
         return (branch, *output[1:]) if is_tuple else branch

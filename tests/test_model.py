@@ -304,6 +304,8 @@ def test_packed_keys_match_unpacked():
         (False, False, False, {"length_scale": 20, "length_scale_below": True, "length_scale_above": True}),
         (True, True, True, {"length_scale": 20, "short_gate": True}),
         (True, True, True, {"length_scale": 20, "short_gate": True, "long_gate": True}),
+        (False, False, False, {"induction_gate": True}),
+        (True, True, True, {"induction_gate": True}),
     ],
 )
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

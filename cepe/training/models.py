@@ -133,6 +133,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_short_gate()  # gates for contexts shorter than the pivot
         if cfg.cepe.get("long_gate") and not model.cepe_config.long_gate:
             model.enable_long_gate()  # and their mirror for longer contexts
+        if cfg.cepe.get("induction_gate") and not model.cepe_config.induction_gate:
+            model.enable_induction_gate()  # weights on whether reading continues a run
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:

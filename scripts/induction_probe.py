@@ -1,0 +1,148 @@
+"""Do the gates' sensors tell a copy from a chance match? The induction statistic against the match statistics.
+
+On the validation windows of ``configs/eval/lm_val.yaml`` (retrieval split; the layout of
+``scripts/gate_probe.py``) it records, for every cross-attention head, the induction statistic ι̂
+(``CepeConfig.induction_gate``; gates added at zero, so the adapter's function is unchanged) and, for
+adapters with match gates, the match statistics (m, κ̂), on the last ``--eval-tokens`` tokens of
+
+- **copy**: the window itself in the encoder (every token continues a copy);
+- the window with the text before it in the encoder, by token kind: the (previous, current) bigram occurs
+  in the context / only the previous token does (a chance match) / neither.
+
+It prints the mean ι̂ by kind, and how well each sensor separates copies from the two kinds that should not
+read (area under the ROC curve, 0.5 = not at all, 1 = perfectly): over all heads, and the mean of each
+layer's best head. Writes ``OUT.json`` and ``OUT.md`` when ``--out`` is given.
+
+Usage: python scripts/induction_probe.py ADAPTER [--total 1024] [--out results/.../induction_probe]
+Pause a training run on the same cores first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from gate_probe import windows
+
+from cepe.eval.common import chunk_tail_aligned
+from cepe.fileio import write_json, write_text
+from cepe.generation import load_model
+
+KINDS = ("copy", "bigram in context", "previous in context", "neither")
+
+
+def auc(pos: torch.Tensor, neg: torch.Tensor) -> float:
+    """P(a copy's value > a non-copy's), ties counted half (the Mann-Whitney statistic)."""
+    allv = torch.cat([pos, neg]).double()
+    order = allv.argsort()
+    ranks = torch.empty_like(allv)
+    ranks[order] = torch.arange(1, len(allv) + 1, dtype=torch.float64)
+    uniq, inv = allv.unique(return_inverse=True)  # average ranks over ties
+    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, ranks)
+    counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, torch.ones_like(ranks))
+    ranks = (sums / counts)[inv]
+    r = ranks[: len(pos)].sum().item()
+    return (r - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
+
+
+def kind_of(ids: list[int], j: int, bigrams: set, seen: set) -> str:
+    if (ids[j - 1], ids[j]) in bigrams:
+        return "bigram in context"
+    return "previous in context" if ids[j - 1] in seen else "neither"
+
+
+@torch.no_grad()
+def record(model, dec: torch.Tensor, enc: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """``{"iota": (layers, H, n), "m": ..., "kappa": ...}`` of one window's last ``n`` tokens."""
+    mods = model.cross_attention_modules()
+    for m in mods:
+        m.induction_record = []
+        if m.match_gate is not None:
+            m.match_record = []
+    try:
+        with torch.autocast("cpu", torch.bfloat16):
+            model(input_ids=dec, encoder_input_ids=enc)
+        out = {"iota": torch.stack([m.induction_record[0][0, :, -n:] for m in mods])}
+        if mods[0].match_gate is not None:
+            stats = torch.stack([m.match_record[0][:, -n:] for m in mods])  # (layers, H, n, 2)
+            out["m"], out["kappa"] = stats[..., 0], stats[..., 1]
+        return out
+    finally:
+        for m in mods:
+            m.induction_record = None
+            m.match_record = None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("adapter")
+    p.add_argument("--config", default="configs/eval/lm_val.yaml")
+    p.add_argument("--total", type=int, default=1024)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--eval-tokens", type=int, default=256)
+    p.add_argument("--per-domain", type=int, default=4)
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model, tok, _ = load_model(a.adapter)
+    model.enable_induction_gate()  # zero weights: the adapter's function is unchanged
+    data = windows(tok, a.config, a.total, a.window, a.chunk, a.per_domain)
+    n = a.eval_tokens
+    values: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    for _, dec, enc, ctx in data:
+        ids = dec[0].tolist()
+        own = torch.tensor([chunk_tail_aligned(ids, a.chunk)])  # the window itself in the encoder
+        for name, t in record(model, dec, own, n).items():
+            values[name]["copy"].append(t)
+        got = record(model, dec, enc, n)
+        bigrams, seen = set(zip(ctx[:-1], ctx[1:])), set(ctx)
+        kinds = [kind_of(ids, len(ids) - n + i, bigrams, seen) for i in range(n)]
+        for kind in KINDS[1:]:
+            sel = torch.tensor([k == kind for k in kinds])
+            for name, t in got.items():
+                values[name][kind].append(t[..., sel])
+    cat = {s: {k: torch.cat(v, dim=-1).float() for k, v in d.items()} for s, d in values.items()}
+    layers, heads = cat["iota"]["copy"].shape[:2]
+    result: dict = {"adapter": a.adapter, "total": a.total, "eval_tokens": n, "windows": len(data)}
+    result["mean_iota"] = {k: cat["iota"][k].mean().item() for k in KINDS}
+    result["tokens"] = {k: int(cat["iota"][k].shape[-1]) for k in KINDS}
+    sep = {}
+    for sensor, d in cat.items():
+        for neg in ("previous in context", "neither"):
+            grid = [[auc(d["copy"][i, h], d[neg][i, h]) for h in range(heads)] for i in range(layers)]
+            g = torch.tensor(grid)
+            sep[f"{sensor} | copy vs {neg}"] = {
+                "mean over heads": g.mean().item(),
+                "best head per layer": g.max(1).values.mean().item(),
+                "heads above 0.9": int((g > 0.9).sum()),
+                "per head": grid,
+            }
+    result["auc"] = sep
+    lines = [
+        f"Induction probe of `{a.adapter}` ({len(data)} validation windows, total {a.total}, last {n} tokens)",
+        "",
+        "| token kind | tokens | mean ι̂ |",
+        "|---|---|---|",
+        *[f"| {k} | {result['tokens'][k]} | {result['mean_iota'][k]:+.3f} |" for k in KINDS],
+        "",
+        f"| sensor, copies against | AUC, mean over heads | mean of each layer's best head | heads above 0.9 (of {layers * heads}) |",
+        "|---|---|---|---|",
+        *[
+            f"| {k} | {v['mean over heads']:.3f} | {v['best head per layer']:.3f} | {v['heads above 0.9']} |"
+            for k, v in sep.items()
+        ],
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out.with_suffix(".json"), result)
+        write_text(out.with_suffix(".md"), text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Induction gates (``CepeConfig.induction_gate``): head h's output times 2·σ(w_h·ι̂), ι̂ from whether the
+head now reads the key after the one its previous token's query read most (a copy going on).
+
+The cache modes agree with induction gates: ``tests/test_model.py::test_cache_modes_agree``."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, heads_scaled, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+
+from cepe import CepeForCausalLM
+from cepe.cross_attention import induction_stats, induction_stats_ref, match_stats_ref, next_keys
+
+
+def _qk(b=2, h=6, kv=2, t=9, s=40, hd=16, seed=0, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, hd, generator=g) * spread, torch.randn(b, kv, s, hd, generator=g)
+
+
+def _mask(s: int = 40) -> torch.Tensor:
+    mask = torch.ones(2, s, dtype=torch.bool)
+    mask[0, 25:] = False  # trailing padding (packed keys)
+    mask[1, ::3] = False  # holes (unpacked chunks)
+    return mask
+
+
+def test_next_keys_skip_padding():
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    got = next_keys(mask, 2, 6, torch.device("cpu"))
+    assert got.tolist() == [[3, 3, 3, 4, -1, -1], [1, 2, 3, 4, 5, -1]]
+    assert next_keys(None, 1, 3, torch.device("cpu")).tolist() == [[1, 2, -1]]
+
+
+def test_statistic_by_hand():
+    """Orthogonal keys, each query aimed at one key: reading on by one is 1 (up to the softmax's leak),
+    jumping elsewhere is −1, the first token (no previous) 0, reading after the last key −1; a previous
+    call's last position continues the run across calls."""
+    n, hd = 8, 8
+    k = torch.eye(n)[None, None]  # (1, 1, n, hd): key j = e_j
+    order = [2, 3, 4, 0, 7, 5]  # token t reads key order[t]
+    q = torch.stack([60.0 * torch.eye(n)[j] for j in order])[None, None]  # (1, 1, T, hd)
+    feat, last = induction_stats_ref(q, k, None, scale=1.0)
+    assert last.tolist() == [[5]]
+    want = [0.0, 1.0, 1.0, -1.0, -1.0, -1.0]  # 2→3, 3→4 runs; 4→0 a jump; 0→7 a jump; 7 is the last key
+    torch.testing.assert_close(feat[0, 0], torch.tensor(want), atol=1e-3, rtol=0)
+    feat, _ = induction_stats_ref(q[:, :, :1], k, None, 1.0, prev=torch.tensor([[1]]))
+    assert feat[0, 0, 0].item() == pytest.approx(1.0, abs=1e-3)  # key 1 then key 2: the run goes on
+    uniform, _ = induction_stats_ref(torch.zeros(1, 1, 3, hd), k, None, 1.0)
+    torch.testing.assert_close(uniform[0, 0, 1:], torch.zeros(2))  # log(n·1/n) = 0
+    assert math.isclose(feat.abs().max().item(), 1.0, abs_tol=1e-3)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("spread", [0.3, 3.0, 12.0])
+def test_chunked_statistic_agrees_with_the_reference(masked, spread, monkeypatch):
+    """Grouped by KV head, a few queries at a time (a tiny chunk here), with and without a previous call."""
+    import cepe.cross_attention as ca
+
+    monkeypatch.setattr(ca, "READ_CHUNK", 2 * 6 * 40 * 2)  # two queries per chunk
+    q, k = _qk(spread=spread)
+    mask = _mask() if masked else None
+    prev = torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(1))
+    for p in (None, prev):
+        ref, ref_last = induction_stats_ref(q, k, mask, 0.25, p)
+        fast, fast_last = induction_stats(q, k, mask, 0.25, p)
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(fast_last, ref_last)
+        assert (ref >= -1).all() and (ref <= 1).all()
+    if mask is not None:  # every argmax is a real key
+        _, last = induction_stats_ref(q, k, mask, 0.25)
+        assert mask.gather(1, last).all()
+
+
+def test_no_gradient_flows_through_the_statistic():
+    q, k = _qk()
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    assert not induction_stats_ref(q, k, None, 0.25)[0].requires_grad
+    assert not induction_stats(q, k, None, 0.25)[0].requires_grad
+
+
+def _model(seed: int = 3, spread: float = 3.0, **kw) -> CepeForCausalLM:
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(induction_gate=True, **kw)).eval()
+    randomize_cross(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.induction_gate.copy_(torch.randn(m.induction_gate.shape, generator=g) * spread)
+    return model
+
+
+def _ids(b: int = 2, t: int = 9, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("others", [False, True])
+def test_layer_output_by_hand(impl, others):
+    """Alone the gate is 2·σ(w·ι̂); with match and token gates its logit adds to theirs."""
+    model = _model(attn_implementation=impl, match_gate=others, token_gate=others, null_key=True)
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2] = False
+    ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache="states")
+    m = model.cross_attention_modules()[0]
+    hidden = torch.randn(2, 5, m.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = m(hidden, ctx)
+        b, t = hidden.shape[:2]
+        normed = m.layernorm(hidden)
+        q = m.q_proj(normed).view(b, t, m.num_heads, m.head_dim).transpose(1, 2)
+        k, _ = m.project_kv(ctx.states)
+        feat, _ = induction_stats_ref(q, k, ctx.key_mask, m.scale)
+        logit = feat * m.induction_gate[None, :, None]  # (B, H, T)
+        if others:
+            stats = match_stats_ref(q, k, ctx.key_mask, m.scale)
+            w = m.match_gate
+            stats = (stats - m.match_norm[None, :, None, 0::2]) / m.match_norm[None, :, None, 1::2]
+            logit = logit + stats[..., 0] * w[:, 0, None] + stats[..., 1] * w[:, 1, None] + w[:, 2, None]
+            logit = logit + m.token_gate(normed).transpose(1, 2)
+        saved = (m.induction_gate, m.match_gate, m.token_gate)
+        m.induction_gate = m.match_gate = m.token_gate = None
+        want = heads_scaled(m, hidden, ctx, (2 * torch.sigmoid(logit)).transpose(1, 2))
+        m.induction_gate, m.match_gate, m.token_gate = saved
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_gates_are_exactly_the_adapter_without_them_and_invariants_hold():
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(match_gate=True)).eval()
+    randomize_cross(plain)
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        a = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        plain.enable_induction_gate()
+        assert plain.cepe_config.induction_gate
+        assert torch.equal(a, plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits)
+    model = _model()
+    with torch.no_grad():
+        on = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)  # no context: the decoder
+        for m in model.cross_attention_modules():
+            m.induction_gate.zero_()
+        off = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert (on - off).abs().max().item() > 1e-3  # the gates act
+        for m in model.cross_attention_modules():
+            m.o_proj.weight.zero_()
+        assert torch.equal(
+            model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits,
+            tiny_decoder()(ids).logits,
+        )
+
+
+@pytest.mark.parametrize("mode", ["kv", "states", "absorbed"])
+def test_incremental_calls_continue_the_run(mode):
+    """A prompt then one token at a time (each call carries on from where the last ended) gives the
+    logits of one call over the whole sequence; a fresh call on the same context starts over."""
+    model = _model()
+    ids = _ids(t=10)
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2] = False
+    with torch.no_grad():
+        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        whole = model(ids, cross_context=ctx).logits
+        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        out = model(ids[:, :4], cross_context=ctx, use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        name = "cache" if "cache" in inspect.signature(model.decoder.forward).parameters else "past_key_values"
+        for t in range(4, 10):
+            out = model(ids[:, t : t + 1], cross_context=ctx, use_cache=True, **{name: cache})
+            steps.append(out.logits)
+            cache = out.past_key_values
+        again = model(ids, cross_context=ctx).logits  # state left by the steps is not used
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, whole)
+
+
+def test_beam_search_follows_reordered_rows():
+    """Each returned beam's score (length_penalty 0: the sum of its tokens' log-probabilities) is what a
+    single call over that sequence gives: the read positions were reordered with the beams."""
+    model = _model(spread=6.0)
+    ids = _ids(b=1, t=5)
+    enc_ids, enc_mask = random_context(1, 3)
+    out = model.generate(
+        ids,
+        encoder_input_ids=enc_ids,
+        encoder_attention_mask=enc_mask,
+        max_new_tokens=6,
+        num_beams=4,
+        num_return_sequences=4,
+        length_penalty=0.0,
+        do_sample=False,
+        early_stopping=True,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    assert "_reorder_cache" not in model.decoder.__dict__  # removed after the call
+    seqs = out.sequences
+    with torch.no_grad():
+        ctx = model.prepare_context(enc_ids.expand(4, -1, -1), enc_mask.expand(4, -1, -1))
+        logp = model(seqs, cross_context=ctx).logits.float().log_softmax(-1)
+    new = seqs[:, 5:]
+    want = logp[:, 4:-1].gather(-1, new[..., None])[..., 0].sum(-1)
+    torch.testing.assert_close(out.sequences_scores, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_checkpointing_save_and_load(tmp_path):
+    """The gate learns (no gradient through ι̂); checkpointing reuses the statistic and gives the same
+    gradients; the adapter saves and loads (a stage adds the gates to an adapter trained without:
+    ``tests/test_token_gate.py::test_a_stage_adds_gates_and_trains_only_them``)."""
+
+    def grads(checkpoint: bool):
+        model = _model().train()
+        if checkpoint:
+            model.decoder.activation_checkpointing_enable({"use_reentrant": False})
+            model.decoder.train()
+        enc_ids, enc_mask = random_context(2, 3)
+        ctx = model.prepare_context(enc_ids, enc_mask)
+        with model.use_context(ctx):
+            loss = model(_ids(), cross_context=ctx, labels=_ids(seed=6)).loss
+            loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_a, plain = grads(False)
+    loss_b, ckpt = grads(True)
+    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(plain) == set(ckpt)
+    assert any(".induction_gate" in n and (g != 0).all() for n, g in plain.items())
+    for n, g in plain.items():
+        torch.testing.assert_close(ckpt[n], g, rtol=1e-4, atol=1e-6)
+    model = _model()
+    model.save_pretrained(tmp_path / "a")
+    loaded = CepeForCausalLM.from_pretrained(tmp_path / "a", decoder=tiny_decoder()).eval()
+    assert loaded.cepe_config.induction_gate
+    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
+        assert torch.equal(a.induction_gate, b.induction_gate)
+    with pytest.raises(ValueError):  # gates do not fit a model without them
+        CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).load_adapter_state_dict(
+            model.adapter_state_dict()
+        )
