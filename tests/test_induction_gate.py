@@ -168,7 +168,9 @@ def test_incremental_calls_continue_the_run(mode):
         ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
         out = model(ids[:, :4], cross_context=ctx, use_cache=True)
         steps, cache = [out.logits], out.past_key_values
-        name = "cache" if "cache" in inspect.signature(model.decoder.forward).parameters else "past_key_values"
+        name = (
+            "cache" if "cache" in inspect.signature(model.decoder.forward).parameters else "past_key_values"
+        )
         for t in range(4, 10):
             out = model(ids[:, t : t + 1], cross_context=ctx, use_cache=True, **{name: cache})
             steps.append(out.logits)
