@@ -47,6 +47,29 @@ def auc(pos: torch.Tensor, neg: torch.Tensor) -> float:
     return (r - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
+def separation(pos: list[torch.Tensor], neg: list[torch.Tensor]) -> float:
+    """The AUC of one statistic, or of a logistic regression's score on several (fitted on these tokens:
+    what the best weights of a gate on them could separate)."""
+    if len(pos) == 1:
+        return auc(pos[0], neg[0])
+    x = torch.cat([torch.stack(pos, -1), torch.stack(neg, -1)]).double()
+    x = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
+    y = torch.cat([torch.ones(len(pos[0])), torch.zeros(len(neg[0]))]).double()
+    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=50)
+
+    def loss():
+        opt.zero_grad()
+        out = torch.nn.functional.binary_cross_entropy_with_logits(x @ w[:-1] + w[-1], y)
+        out.backward()
+        return out
+
+    with torch.enable_grad():
+        opt.step(loss)
+    score = (x @ w[:-1]).detach()
+    return auc(score[: len(pos[0])], score[len(pos[0]) :])
+
+
 def kind_of(ids: list[int], j: int, bigrams: set, seen: set) -> str:
     if (ids[j - 1], ids[j]) in bigrams:
         return "bigram in context"
@@ -55,7 +78,7 @@ def kind_of(ids: list[int], j: int, bigrams: set, seen: set) -> str:
 
 @torch.no_grad()
 def record(model, dec: torch.Tensor, enc: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    """``{"iota": (layers, H, n), "m": ..., "kappa": ...}`` of one window's last ``n`` tokens."""
+    """``{"ι̂": (layers, H, n), "m": ..., "κ̂": ...}`` of one window's last ``n`` tokens."""
     mods = model.cross_attention_modules()
     for m in mods:
         m.induction_record = []
@@ -64,10 +87,10 @@ def record(model, dec: torch.Tensor, enc: torch.Tensor, n: int) -> dict[str, tor
     try:
         with torch.autocast("cpu", torch.bfloat16):
             model(input_ids=dec, encoder_input_ids=enc)
-        out = {"iota": torch.stack([m.induction_record[0][0, :, -n:] for m in mods])}
+        out = {"ι̂": torch.stack([m.induction_record[0][0, :, -n:] for m in mods])}
         if mods[0].match_gate is not None:
             stats = torch.stack([m.match_record[0][:, -n:] for m in mods])  # (layers, H, n, 2)
-            out["m"], out["kappa"] = stats[..., 0], stats[..., 1]
+            out["m"], out["κ̂"] = stats[..., 0], stats[..., 1]
         return out
     finally:
         for m in mods:
@@ -105,16 +128,26 @@ def main() -> None:
             for name, t in got.items():
                 values[name][kind].append(t[..., sel])
     cat = {s: {k: torch.cat(v, dim=-1).float() for k, v in d.items()} for s, d in values.items()}
-    layers, heads = cat["iota"]["copy"].shape[:2]
+    layers, heads = cat["ι̂"]["copy"].shape[:2]
     result: dict = {"adapter": a.adapter, "total": a.total, "eval_tokens": n, "windows": len(data)}
-    result["mean_iota"] = {k: cat["iota"][k].mean().item() for k in KINDS}
-    result["tokens"] = {k: int(cat["iota"][k].shape[-1]) for k in KINDS}
+    result["mean_iota"] = {k: cat["ι̂"][k].mean().item() for k in KINDS}
+    result["tokens"] = {k: int(cat["ι̂"][k].shape[-1]) for k in KINDS}
     sep = {}
-    for sensor, d in cat.items():
+    sensors = {name: [name] for name in cat}
+    if "m" in cat:  # what a gate sees from several statistics: a logistic fit per head
+        sensors["m + κ̂"] = ["m", "κ̂"]
+        sensors["m + κ̂ + ι̂"] = ["m", "κ̂", "ι̂"]
+    for sensor, names in sensors.items():
         for neg in ("previous in context", "neither"):
-            grid = [[auc(d["copy"][i, h], d[neg][i, h]) for h in range(heads)] for i in range(layers)]
+            grid = [
+                [
+                    separation([cat[x]["copy"][i, h] for x in names], [cat[x][neg][i, h] for x in names])
+                    for h in range(heads)
+                ]
+                for i in range(layers)
+            ]
             g = torch.tensor(grid)
-            sep[f"{sensor} | copy vs {neg}"] = {
+            sep[f"{sensor}: copies against {neg}"] = {
                 "mean over heads": g.mean().item(),
                 "best head per layer": g.max(1).values.mean().item(),
                 "heads above 0.9": int((g > 0.9).sum()),
@@ -128,7 +161,7 @@ def main() -> None:
         "|---|---|---|",
         *[f"| {k} | {result['tokens'][k]} | {result['mean_iota'][k]:+.3f} |" for k in KINDS],
         "",
-        f"| sensor, copies against | AUC, mean over heads | mean of each layer's best head | heads above 0.9 (of {layers * heads}) |",
+        f"| sensor: copies against | AUC, mean over heads | mean of each layer's best head | heads above 0.9 (of {layers * heads}) |",
         "|---|---|---|---|",
         *[
             f"| {k} | {v['mean over heads']:.3f} | {v['best head per layer']:.3f} | {v['heads above 0.9']} |"

@@ -244,3 +244,21 @@ def test_gradients_checkpointing_save_and_load(tmp_path):
         CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).load_adapter_state_dict(
             model.adapter_state_dict()
         )
+
+
+def test_probe_separations():
+    """``scripts/induction_probe.py``'s AUC (ties half) and its per-head logistic fit on several statistics,
+    which separates what no single one does."""
+    from conftest import load_script
+
+    probe = load_script("induction_probe")
+    a, b = torch.tensor([2.0, 3.0, 4.0]), torch.tensor([0.0, 1.0])
+    assert probe.auc(a, b) == 1.0 and probe.auc(b, a) == 0.0
+    assert probe.auc(torch.ones(4), torch.ones(3)) == 0.5
+    assert probe.auc(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0])) == pytest.approx(0.875)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(400, generator=g), torch.randn(400, generator=g)
+    pos, neg = x + y > 0, x + y < 0  # each statistic alone overlaps, their sum does not
+    single = probe.separation([x[pos]], [x[neg]])
+    both = probe.separation([x[pos], y[pos]], [x[neg], y[neg]])
+    assert single < 0.95 and both > 0.99
