@@ -11,7 +11,8 @@ adapters with match gates, the match statistics (m, κ̂), on the last ``--eval-
 
 It prints the mean ι̂ by kind, and how well each sensor separates copies from the two kinds that should not
 read (area under the ROC curve, 0.5 = not at all, 1 = perfectly): over all heads, and the mean of each
-layer's best head. Writes ``OUT.json`` and ``OUT.md`` when ``--out`` is given.
+layer's best head; then every head of every layer at once (a logistic fit on half the windows, measured
+on the other half). Writes ``OUT.json`` and ``OUT.md`` when ``--out`` is given.
 
 Usage: python scripts/induction_probe.py ADAPTER [--total 1024] [--out results/.../induction_probe]
 Pause a training run on the same cores first.
@@ -47,27 +48,46 @@ def auc(pos: torch.Tensor, neg: torch.Tensor) -> float:
     return (r - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
-def separation(pos: list[torch.Tensor], neg: list[torch.Tensor]) -> float:
-    """The AUC of one statistic, or of a logistic regression's score on several (fitted on these tokens:
-    what the best weights of a gate on them could separate)."""
-    if len(pos) == 1:
-        return auc(pos[0], neg[0])
-    x = torch.cat([torch.stack(pos, -1), torch.stack(neg, -1)]).double()
-    x = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
-    y = torch.cat([torch.ones(len(pos[0])), torch.zeros(len(neg[0]))]).double()
+def logistic(x: torch.Tensor, y: torch.Tensor, l2: float = 0.0):
+    """A logistic regression of ``y`` on ``x`` ``(N, F)`` (features standardised on ``x``): the score function."""
+    x = x.double()
+    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=50)
+    opt = torch.optim.LBFGS([w], max_iter=100)
+    z, y = (x - mu) / sd, y.double()
 
     def loss():
         opt.zero_grad()
-        out = torch.nn.functional.binary_cross_entropy_with_logits(x @ w[:-1] + w[-1], y)
+        out = torch.nn.functional.binary_cross_entropy_with_logits(z @ w[:-1] + w[-1], y)
+        out = out + l2 * (w[:-1] ** 2).sum()
         out.backward()
         return out
 
     with torch.enable_grad():
         opt.step(loss)
-    score = (x @ w[:-1]).detach()
-    return auc(score[: len(pos[0])], score[len(pos[0]) :])
+    coef = w[:-1].detach()
+    return lambda t: ((t.double() - mu) / sd) @ coef
+
+
+def separation(pos: list[torch.Tensor], neg: list[torch.Tensor]) -> float:
+    """The AUC of one statistic, or of a logistic regression's score on several (fitted on these tokens:
+    what the best weights of a gate on them could separate)."""
+    if len(pos) == 1:
+        return auc(pos[0], neg[0])
+    p, q = torch.stack(pos, -1), torch.stack(neg, -1)
+    score = logistic(torch.cat([p, q]), torch.cat([torch.ones(len(p)), torch.zeros(len(q))]))
+    return auc(score(p), score(q))
+
+
+def held_out(per_window: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """Every head of every layer at once: ``per_window`` ``[(copy (N, F), other (M, F))]``; fitted on the
+    even windows (L2 1e-3) and measured on the odd ones, which it never saw. Returns (fit AUC, held-out AUC)."""
+    split = [
+        [torch.cat([w[i] for w in per_window[r::2]]) for i in (0, 1)] for r in (0, 1)
+    ]  # [[copy, other] of even windows, ... of odd]
+    (p, q), (p2, q2) = split
+    score = logistic(torch.cat([p, q]), torch.cat([torch.ones(len(p)), torch.zeros(len(q))]), l2=1e-3)
+    return auc(score(p), score(q)), auc(score(p2), score(q2))
 
 
 def kind_of(ids: list[int], j: int, bigrams: set, seen: set) -> str:
@@ -115,10 +135,12 @@ def main() -> None:
     data = windows(tok, a.config, a.total, a.window, a.chunk, a.per_domain)
     n = a.eval_tokens
     values: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    rows = []  # per window: ({sensor: copy (layers·H, n)}, {sensor: chance matches or none (layers·H, M)})
     for _, dec, enc, ctx in data:
         ids = dec[0].tolist()
         own = torch.tensor([chunk_tail_aligned(ids, a.chunk)])  # the window itself in the encoder
-        for name, t in record(model, dec, own, n).items():
+        copy = record(model, dec, own, n)
+        for name, t in copy.items():
             values[name]["copy"].append(t)
         got = record(model, dec, enc, n)
         bigrams, seen = set(zip(ctx[:-1], ctx[1:])), set(ctx)
@@ -127,6 +149,13 @@ def main() -> None:
             sel = torch.tensor([k == kind for k in kinds])
             for name, t in got.items():
                 values[name][kind].append(t[..., sel])
+        other = torch.tensor([k != "bigram in context" for k in kinds])
+        rows.append(
+            (
+                {k: v.flatten(0, 1) for k, v in copy.items()},
+                {k: v.flatten(0, 1)[:, other] for k, v in got.items()},
+            )
+        )
     cat = {s: {k: torch.cat(v, dim=-1).float() for k, v in d.items()} for s, d in values.items()}
     layers, heads = cat["ι̂"]["copy"].shape[:2]
     result: dict = {"adapter": a.adapter, "total": a.total, "eval_tokens": n, "windows": len(data)}
@@ -154,6 +183,12 @@ def main() -> None:
                 "per head": grid,
             }
     result["auc"] = sep
+    wide = {}
+    for sensor, names in sensors.items():
+        per_window = [tuple(torch.cat([r[i][x] for x in names]).T.float() for i in (0, 1)) for r in rows]
+        fit, test = held_out(per_window)
+        wide[sensor] = {"fit": fit, "held out": test}
+    result["model_wide"] = wide
     lines = [
         f"Induction probe of `{a.adapter}` ({len(data)} validation windows, total {a.total}, last {n} tokens)",
         "",
@@ -167,6 +202,13 @@ def main() -> None:
             f"| {k} | {v['mean over heads']:.3f} | {v['best head per layer']:.3f} | {v['heads above 0.9']} |"
             for k, v in sep.items()
         ],
+        "",
+        "Every head of every layer at once, copies against tokens with no bigram match (previous in context or",
+        "neither): a logistic fit on the even windows, its AUC there and on the odd windows it never saw.",
+        "",
+        "| sensors | AUC on the fitted windows | AUC on held-out windows |",
+        "|---|---|---|",
+        *[f"| {k} | {v['fit']:.3f} | {v['held out']:.3f} |" for k, v in wide.items()],
     ]
     text = "\n".join(lines)
     print(text)

@@ -262,3 +262,15 @@ def test_probe_separations():
     single = probe.separation([x[pos]], [x[neg]])
     both = probe.separation([x[pos], y[pos]], [x[neg], y[neg]])
     assert single < 0.95 and both > 0.99
+    # every head at once, fitted on even windows, measured on odd ones: a real signal carries over, noise
+    # fitted with many features does not
+    windows = []
+    for _ in range(6):
+        sig = torch.randn(50, 1, generator=g)
+        noise = torch.randn(50, 40, generator=g)
+        windows.append((torch.cat([sig[:25] + 3, noise[:25]], 1), torch.cat([sig[25:] - 3, noise[25:]], 1)))
+    fit, test = probe.held_out(windows)
+    assert fit > 0.99 and test > 0.99
+    noise = [(torch.randn(20, 40, generator=g), torch.randn(20, 40, generator=g)) for _ in range(6)]
+    fit, test = probe.held_out(noise)
+    assert fit > test + 0.2 and abs(test - 0.5) < 0.2
