@@ -351,24 +351,33 @@ def induction_stats(
     key_mask: torch.Tensor | None,
     scale: float,
     prev: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`induction_stats_ref` with the scores in the inputs' dtype, grouped by KV head (no repeated
-    keys) and computed for a chunk of queries at a time (at most :data:`READ_CHUNK` scores held)."""
+    keys) and computed for a chunk of queries at a time (at most :data:`READ_CHUNK` scores held).
+
+    ``lse``: each query's logsumexp ``(B, H, T)`` over the real keys where the caller has it already (the
+    match statistics' ``m + log n``): only the argmax is then taken from the scores, the costly fp32
+    logsumexp pass is skipped."""
     b, h, t, hd = q.shape
     kvh, s = k.shape[1], k.shape[2]
     g = h // kvh
     qg = q.to(k.dtype).reshape(b, kvh, g, t, hd)
     step = max(1, READ_CHUNK // max(1, b * h * s))
-    lse, best = [], []
+    sums, best = [], []
+    masked = None if key_mask is None else ~key_mask[:, None, None, :]
     for t0 in range(0, t, step):
         qc = qg[:, :, :, t0 : t0 + step]
         tc = qc.shape[3]
-        sc = torch.matmul(qc.reshape(b, kvh, g * tc, hd), k.transpose(-1, -2)) * scale  # (B, KV, G·Tc, S)
-        if key_mask is not None:
-            sc = sc.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-        lse.append(torch.logsumexp(sc.float(), dim=-1).view(b, h, tc))
+        sc = torch.matmul(qc.reshape(b, kvh, g * tc, hd), k.transpose(-1, -2))  # (B, KV, G·Tc, S)
+        sc.mul_(scale)
+        if masked is not None:
+            sc.masked_fill_(masked, float("-inf"))
         best.append(sc.argmax(-1).view(b, h, tc))
-    lse_t, best_t = torch.cat(lse, dim=-1), torch.cat(best, dim=-1)
+        if lse is None:
+            sums.append(torch.logsumexp(sc.float(), dim=-1).view(b, h, tc))
+    best_t = torch.cat(best, dim=-1)
+    lse_t = torch.cat(sums, dim=-1) if lse is None else lse.float()
     return _induction_feature(q, k, key_mask, scale, lse_t, best_t, prev), best_t[..., -1]
 
 
@@ -535,7 +544,7 @@ class CrossAttention(nn.Module):
             if self.match_gate is not None:  # over the real keys too
                 match = self.match_stats(q, k[:, :, int(nulled) :], key_mask, ctx)
             if self.induction_gate is not None:  # (B, H, T)
-                induction = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past)
+                induction = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past, match)
             if nulled:  # the cache holds it already; the mask gains its column
                 if key_mask is not None:
                     key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], 1), key_mask], dim=1)
@@ -654,16 +663,30 @@ class CrossAttention(nn.Module):
         key_mask: torch.Tensor | None,
         ctx: CrossContext,
         past: int,
+        match: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``ι̂`` ``(B, H, T)`` (:func:`induction_stats_ref`) of the queries ``q`` against the real keys ``k``
         (no gradient). An incremental call (``past`` > 0) continues from where this layer's heads read at
         the end of the previous call, when that call ended at ``past``; without autograd the end of this
-        call is kept for the next (``CrossContext.read_state``)."""
+        call is kept for the next (``CrossContext.read_state``). ``match``: the match statistics of the
+        same queries, whose ``m + log n`` is the logsumexp the statistic needs (unclamped below
+        :data:`MATCH_LOGIT_BOUND`)."""
         prev = None
         state = ctx.read_state.get(self.layer_idx)
         if past > 0 and state is not None and state[1] == past and state[0].shape[0] == q.shape[0]:
             prev = state[0]
-        stats = induction_stats_ref if ctx.impl == "eager" else induction_stats
+        if ctx.impl == "eager":
+            stats = induction_stats_ref
+        else:
+            lse = None
+            if match is not None:
+                n = k.shape[2] if key_mask is None else key_mask.sum(-1)
+                log_n = torch.as_tensor(n, device=q.device).clamp_min(1).float().log().reshape(-1, 1, 1)
+                lse = match[..., 0] + log_n
+
+            def stats(*args):
+                return induction_stats(*args, lse=lse)
+
         if not torch.is_grad_enabled():
             feat, last = stats(q, k, key_mask, self.scale, prev)
             ctx.read_state[self.layer_idx] = (last, past + q.shape[2])

@@ -13,7 +13,14 @@ import torch
 from conftest import VOCAB, heads_scaled, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
 
 from cepe import CepeForCausalLM
-from cepe.cross_attention import induction_stats, induction_stats_ref, match_stats_ref, next_keys
+from cepe.cross_attention import (
+    MatchKeys,
+    induction_stats,
+    induction_stats_ref,
+    match_stats_ref,
+    match_stats_sdpa,
+    next_keys,
+)
 
 
 def _qk(b=2, h=6, kv=2, t=9, s=40, hd=16, seed=0, spread=3.0):
@@ -69,6 +76,11 @@ def test_chunked_statistic_agrees_with_the_reference(masked, spread, monkeypatch
         fast, fast_last = induction_stats(q, k, mask, 0.25, p)
         torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
         assert torch.equal(fast_last, ref_last)
+        # the logsumexp from the match statistics' fused attention (m + log n) instead of its own pass
+        n = torch.full((2,), 40.0) if mask is None else mask.sum(-1).float()
+        lse = match_stats_sdpa(q, MatchKeys.build(k, mask), 0.25)[..., 0] + n.log()[:, None, None]
+        given, _ = induction_stats(q, k, mask, 0.25, p, lse=lse)
+        torch.testing.assert_close(given, ref, rtol=1e-4, atol=1e-4)
         assert (ref >= -1).all() and (ref <= 1).all()
     if mask is not None:  # every argmax is a real key
         _, last = induction_stats_ref(q, k, mask, 0.25)
