@@ -189,6 +189,11 @@ def main() -> None:
         fit, test = held_out(per_window)
         wide[sensor] = {"fit": fit, "held out": test}
     result["model_wide"] = wide
+    grid = torch.tensor(sep["ι̂: copies against neither"]["per head"])
+    li, h = divmod(int(grid.argmax()), heads)
+    best = {"layer": model.cross_attention_modules()[li].layer_idx, "head": h, "auc": grid[li, h].item()}
+    best["share above 0.5"] = {k: (cat["ι̂"][k][li, h] > 0.5).float().mean().item() for k in KINDS}
+    result["best_iota_head"] = best
     lines = [
         f"Induction probe of `{a.adapter}` ({len(data)} validation windows, total {a.total}, last {n} tokens)",
         "",
@@ -202,6 +207,10 @@ def main() -> None:
             f"| {k} | {v['mean over heads']:.3f} | {v['best head per layer']:.3f} | {v['heads above 0.9']} |"
             for k, v in sep.items()
         ],
+        "",
+        f"The best ι̂ head (decoder layer {best['layer']}, head {best['head']}, AUC {best['auc']:.3f} against neither): "
+        + ", ".join(f"{k} {100 * v:.0f} %" for k, v in best["share above 0.5"].items())
+        + " of tokens with ι̂ > 0.5.",
         "",
         "Every head of every layer at once, copies against tokens with no bigram match (previous in context or",
         "neither): a logistic fit on the even windows, its AUC there and on the odd windows it never saw.",
