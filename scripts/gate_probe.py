@@ -48,8 +48,8 @@ def token_nll(model, dec: torch.Tensor, enc: torch.Tensor | None, n: int) -> tor
     return -logits.log_softmax(-1).gather(-1, dec[0, 1:, None])[-n:, 0]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def window_args(p: argparse.ArgumentParser) -> None:
+    """The adapter and the validation windows' layout (:func:`windows`), shared with the other probes."""
     p.add_argument("adapter")
     p.add_argument("--config", default="configs/eval/lm_val.yaml")
     p.add_argument("--total", type=int, default=1024)
@@ -57,6 +57,11 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--eval-tokens", type=int, default=256)
     p.add_argument("--per-domain", type=int, default=4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    window_args(p)
     p.add_argument("--scales", type=float, nargs="*", default=[0.0, 0.25, 0.4, 0.5, 0.75, 1.0])
     a = p.parse_args()
     torch.manual_seed(0)

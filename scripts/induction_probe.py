@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from gate_probe import windows
+from gate_probe import window_args, windows
 
 from cepe.eval.common import chunk_tail_aligned
 from cepe.fileio import write_json, write_text
@@ -120,13 +120,7 @@ def record(model, dec: torch.Tensor, enc: torch.Tensor, n: int) -> dict[str, tor
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("adapter")
-    p.add_argument("--config", default="configs/eval/lm_val.yaml")
-    p.add_argument("--total", type=int, default=1024)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--eval-tokens", type=int, default=256)
-    p.add_argument("--per-domain", type=int, default=4)
+    window_args(p)
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     a = p.parse_args()
     torch.manual_seed(0)
