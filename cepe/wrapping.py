@@ -233,6 +233,6 @@ class CrossAdd:
             return None  # no context: the layer is exactly the decoder's
         if residual is None:
             raise RuntimeError("cepe: the residual stream was not recorded before cross-attention")
-        update = cross(residual + branch, ctx, self.slot.past)
+        update = cross(residual + branch, ctx, past=self.slot.past)
         branch = branch + update
         return (branch, *output[1:]) if is_tuple else branch

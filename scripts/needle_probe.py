@@ -59,7 +59,7 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
     captured: dict[int, torch.Tensor] = {}
 
     def hook(mod: CrossAttention, args, out):
-        hidden, ctx = args
+        hidden, ctx = args[:2]
         h = hidden[:, -1:]
         q = mod.q_proj(mod.layernorm(h)).view(1, 1, mod.num_heads, mod.head_dim)
         if mod.q_norm is not None:
