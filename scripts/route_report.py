@@ -71,6 +71,7 @@ ROUTE = [
     ("fast_direct_induct", 40),
     ("fast_direct_induct_c", 40),
     ("fast_direct_gates_c", 40),
+    ("fast_direct_induct_c2", 40),
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
