@@ -3,7 +3,7 @@
 On CPUs with bf16 matrix units (AMX, AVX512-BF16) a bf16 matmul is several times faster than fp32; on
 CPUs without them (AVX2 only) PyTorch emulates bf16 and the same matmul can be a hundred times slower.
 Every ``"auto"`` dtype setting of ``cepe`` (the main job, training's ``bf16``, the benchmark's ``dtype``)
-asks :func:`bf16_is_fast`, which times one small matmul in both dtypes once per process.
+asks :func:`bf16_is_fast`, which times a small matmul in both dtypes, in interleaved pairs, once per process.
 
 The environment variable ``CEPE_BF16`` overrides the measurement: ``1`` forces bf16, ``0`` forces fp32.
 """
@@ -18,21 +18,31 @@ import torch
 _FAST: dict[str, bool] = {}
 
 
-def _best_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
-    torch.mm(a, b)  # first call: kernel selection, allocation
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - t0
+
+
+def _bf16_wins(a: torch.Tensor, b: torch.Tensor, rounds: int = 7) -> bool:
+    """Time ``a @ b`` in fp32 and bf16 in interleaved pairs; True when bf16 wins most rounds.
+
+    Interleaving puts a burst of load from another process on both dtypes alike, and a majority of
+    rounds, unlike one best time each, is not decided by a single disturbed measurement."""
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    for _ in range(2):  # kernel selection, allocation, clocks
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        torch.mm(a16, b16)
+    wins = sum(_seconds(a16, b16) < _seconds(a, b) for _ in range(rounds))
+    return 2 * wins > rounds
 
 
 def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
     """True when bf16 matrix products are faster than fp32 on ``device``.
 
-    CUDA: the device reports native bf16 support. CPU: a ``256 x 512 @ 512 x 512`` product is timed in
-    both dtypes (a few milliseconds, once per process). ``CEPE_BF16=1`` / ``0`` overrides both.
+    CUDA: the device reports native bf16 support. CPU: a ``512 x 512 @ 512 x 512`` product is timed in
+    both dtypes, in seven interleaved pairs, and bf16 must win most of them (some ten milliseconds, once
+    per process). ``CEPE_BF16=1`` / ``0`` overrides both.
     """
     env = os.environ.get("CEPE_BF16", "").strip().lower()
     if env in ("1", "true", "yes"):
@@ -48,10 +58,8 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
             _FAST[key] = bool(torch.cuda.is_bf16_supported())
         elif dev.type == "cpu":
             g = torch.Generator().manual_seed(0)
-            a, b = torch.randn(256, 512, generator=g), torch.randn(512, 512, generator=g)
-            fp32 = _best_seconds(a, b)
-            bf16 = _best_seconds(a.bfloat16(), b.bfloat16())
-            _FAST[key] = bf16 < fp32
+            a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
+            _FAST[key] = _bf16_wins(a, b)
         else:
             _FAST[key] = False
     return _FAST[key]

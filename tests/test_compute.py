@@ -40,3 +40,19 @@ def test_training_config_bf16_values(tmp_path):
         load_config(tiny, [f"output_dir={tmp_path}", "bf16=sometimes"])
     with pytest.raises(ValueError, match="decoder_dtype bfloat16 needs bf16"):
         load_config(tiny, [f"output_dir={tmp_path}", "decoder_dtype=bfloat16"])
+
+
+def test_measurement_is_a_majority_of_interleaved_rounds(monkeypatch):
+    """One disturbed round (another process's burst) does not decide; most rounds do."""
+    a = b = torch.ones(4, 4)
+
+    def timer(bf16_times):
+        it = iter(bf16_times)
+        return lambda x, y: next(it) if x.dtype == torch.bfloat16 else 1.0
+
+    monkeypatch.setattr(compute, "_seconds", timer([0.5, 0.5, 9.0, 0.5, 0.5, 0.5, 0.5]))
+    assert compute._bf16_wins(a, b) is True
+    monkeypatch.setattr(compute, "_seconds", timer([2.0, 2.0, 0.1, 2.0, 2.0, 2.0, 2.0]))
+    assert compute._bf16_wins(a, b) is False
+    monkeypatch.setattr(compute, "_seconds", timer([0.5, 2.0, 0.5, 2.0, 0.5, 2.0, 2.0]))
+    assert compute._bf16_wins(a, b) is False  # 3 of 7 is not a majority
