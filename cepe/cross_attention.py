@@ -17,6 +17,7 @@ Shape legend: B batch, T query tokens, S encoder tokens, D_dec / D_enc widths, H
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -646,15 +647,27 @@ class CrossAttention(nn.Module):
             if self.layer_idx not in ctx.match_kv:
                 ctx.match_kv[self.layer_idx] = MatchKeys.build(k, key_mask)
             return match_stats_sdpa(q, ctx.match_kv[self.layer_idx], self.scale)
-        # under autograd: gradient checkpointing recomputes this layer in backward with the same query and
-        # keys (same context, same k_proj version), so the statistics of that first call are reused
+        return self._once_per_query(
+            ctx.match_memo, q, lambda: match_stats_sdpa(q, MatchKeys.build(k, key_mask), self.scale)
+        )
+
+    def _once_per_query(
+        self,
+        memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]],
+        q: torch.Tensor,
+        compute: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        """A no-gradient statistic of the queries ``q``, computed under autograd at most once per query:
+        gradient checkpointing recomputes this layer in backward with the same query and keys (same
+        context, same ``k_proj`` version), and the first call's result, kept in ``memo`` (this layer's
+        entry; ``CrossContext.match_memo`` or ``read_memo``), is then returned instead of ``compute()``."""
         version = self.k_proj.weight._version
-        memo = ctx.match_memo.pop(self.layer_idx, None)
-        if memo is not None and memo[1] == version and torch.equal(memo[0], q):  # (False on another shape)
-            return memo[2]
-        stats = match_stats_sdpa(q, MatchKeys.build(k, key_mask), self.scale)
-        ctx.match_memo[self.layer_idx] = (q.detach(), version, stats)
-        return stats
+        hit = memo.pop(self.layer_idx, None)
+        if hit is not None and hit[1] == version and torch.equal(hit[0], q):  # (False on another shape)
+            return hit[2]
+        out = compute()
+        memo[self.layer_idx] = (q.detach(), version, out)
+        return out
 
     def read_stats(
         self,
@@ -691,13 +704,7 @@ class CrossAttention(nn.Module):
             feat, last = stats(q, k, key_mask, self.scale, prev)
             ctx.read_state[self.layer_idx] = (last, past + q.shape[2])
             return feat
-        version = self.k_proj.weight._version  # gradient checkpointing: reuse the first call's (see match)
-        memo = ctx.read_memo.pop(self.layer_idx, None)
-        if memo is not None and memo[1] == version and torch.equal(memo[0], q):
-            return memo[2]
-        feat, _ = stats(q, k, key_mask, self.scale, prev)
-        ctx.read_memo[self.layer_idx] = (q.detach(), version, feat)
-        return feat
+        return self._once_per_query(ctx.read_memo, q, lambda: stats(q, k, key_mask, self.scale, prev)[0])
 
     def with_null_key(
         self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
