@@ -72,6 +72,7 @@ ROUTE = [
     ("fast_direct_induct_c", 40),
     ("fast_direct_gates_c", 40),
     ("fast_direct_induct_c2", 40),
+    ("fast_fold", 40),  # the route folded (docs/TRAINING.md, "A new machine"): not run yet
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
