@@ -8,7 +8,7 @@
 # Writes OUT_DIR/scale_S/{needle,lm_val,icl_val}/ and OUT_DIR/calibrate.{json,md}. Pause a training run first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. .venv/bin/activate
+if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
 ADAPTER=$1; OUT=$2; shift 2
 SCALES=("$@"); [ ${#SCALES[@]} -gt 0 ] || SCALES=(1 1.25 1.5 1.75)
 for s in "${SCALES[@]}"; do

@@ -8,7 +8,7 @@
 # Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. .venv/bin/activate
+if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
 NAME=$1; STEP=$2
 ADAPTER=runs/recipe/$NAME/checkpoints/step_$(printf "%06d" "$STEP")/adapter
 OUT=results/recipe/$NAME/step$(printf "%03d" "$STEP")

@@ -108,3 +108,7 @@ def test_matmul_peak_is_timed_by_torch_utils_benchmark():
     from cepe.bench.runner import matmul_peak_flops
 
     assert matmul_peak_flops(64, torch.float32, 0.05) > 0
+    assert matmul_peak_flops(64, torch.float32, 0.05, torch.device("cpu")) > 0
+    # the operands live on the device asked for (training on an accelerator measures the accelerator)
+    with pytest.raises((RuntimeError, ValueError)):
+        matmul_peak_flops(64, torch.float32, 0.05, "no_such_device")

@@ -318,13 +318,19 @@ def run_setting(
     return {**setting, **res, "threads": torch.get_num_threads()}
 
 
-def matmul_peak_flops(size: int = 4096, dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0) -> float:
-    """Measured FLOP/s of a large square matmul in ``dtype``: ``torch.utils.benchmark`` runs it in blocks
-    for at least ``seconds`` (after a warm-up call) on this process's threads; the fastest block counts."""
+def matmul_peak_flops(
+    size: int = 4096,
+    dtype: torch.dtype = torch.bfloat16,
+    seconds: float = 2.0,
+    device: str | torch.device = "cpu",
+) -> float:
+    """Measured FLOP/s of a large square matmul in ``dtype`` on ``device``: ``torch.utils.benchmark`` runs it
+    in blocks for at least ``seconds`` (after a warm-up call) on this process's threads; the fastest block
+    counts. On an accelerator the timer synchronizes it around every block."""
     from torch.utils import benchmark
 
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    a = torch.randn(size, size).to(device=device, dtype=dtype)
+    b = torch.randn(size, size).to(device=device, dtype=dtype)
     torch.matmul(a, b)
     timer = benchmark.Timer(
         "torch.matmul(a, b)", globals={"torch": torch, "a": a, "b": b}, num_threads=torch.get_num_threads()

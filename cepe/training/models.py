@@ -247,7 +247,9 @@ class StageModule(nn.Module):
 
                 batch = dict(batch)
                 if self.teacher_kinds is not None:  # (B,) the examples the teacher is run for
-                    batch["teacher_rows"] = torch.isin(batch["task"], torch.tensor(self.teacher_kinds))
+                    batch["teacher_rows"] = torch.isin(
+                        batch["task"], torch.tensor(self.teacher_kinds, device=batch["task"].device)
+                    )
                 batch["teacher_probs"], batch["teacher_indices"] = online_teacher_topk(
                     m.decoder,
                     batch["input_ids"],
