@@ -15,7 +15,9 @@ Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--keep DIR] [--smoke]
 
 ``--smoke`` runs the same stages on a tiny random 30-layer decoder with the default vocabulary (3 steps a
 stage, into runs/gpu_smoke/, no probes or export): a check that every stage of the route runs on a device, in a
-minute. Time left is read before each step; a stage still running at the deadline gets SIGTERM, which
+minute. The probes need the evaluation corpora that ``bash scripts/setup.sh`` installs (the needle's essays,
+the classification articles); where the first probe fails the others are skipped and the route's
+adapters still come back. Time left is read before each step; a stage still running at the deadline gets SIGTERM, which
 writes a checkpoint (``--resume`` continues it exactly).
 """
 
@@ -148,6 +150,8 @@ def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: flo
 def probe(name: str, step: int, timeline: dict, full: bool = False) -> None:
     """scripts/probe_stage.sh NAME STEP; ``full``: only the ICL and QA probes that FULL=1 adds."""
     t0 = time.time()
+    if any(p["rc"] for p in timeline["probes"]):  # the evaluation assets are missing: do not spend time again
+        return
     if full:
         adapter = f"runs/recipe/{name}/checkpoints/step_{step:06d}/adapter"
         out = f"results/recipe/{name}/step{step:03d}"
