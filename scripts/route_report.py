@@ -72,7 +72,11 @@ ROUTE = [
     ("fast_direct_induct_c", 40),
     ("fast_direct_gates_c", 40),
     ("fast_direct_induct_c2", 40),
-    ("fast_fold", 40),  # the route folded (docs/TRAINING.md, "A new machine"): not run yet
+    ("fast_fold", 40),  # the route folded (docs/TRAINING.md, "A new machine"): on this CPU not run yet
+    # the same five stages on an accelerator, exported in int8 and probed on the CPU
+    # (docs/TRAINING.md, "The route on an accelerator")
+    ("gpu_fast_fold", 40),
+    ("fast_fold_qa", 40),  # the fold's mix swapped for fast_direct_qa's, from gpu_fast_fold
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
