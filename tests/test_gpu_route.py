@@ -1,0 +1,76 @@
+"""scripts/gpu_route.py: the route driver's bookkeeping (done stages skipped, the deadline's SIGTERM, the
+last checkpoint and loss, the int8 export cut into pieces that join back to the file)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import load_script
+
+
+def _timeline():
+    return {"t0": time.time(), "stages": [], "probes": []}
+
+
+def test_last_step_needs_an_adapter_and_last_loss_reads_the_trainer_lines(tmp_path):
+    mod = load_script("gpu_route")
+    for step, with_adapter in ((20, True), (40, True), (60, False)):
+        d = tmp_path / "checkpoints" / f"step_{step:06d}"
+        (d / "adapter" if with_adapter else d).mkdir(parents=True)
+    assert mod._last_step(tmp_path) == 40
+    log = tmp_path / "x.log"
+    log.write_text(
+        "cepe: compute bfloat16\n"
+        "runs/recipe/x: cepe running, step 1/40, tokens seen 1,024 dec, loss 4.9700, 11 dec tok/s\n"
+        "runs/recipe/x: cepe running, step 2/40, tokens seen 2,048 dec, loss 4.7414, 12 dec tok/s\n"
+        "wrote runs/recipe/x\n"
+    )
+    assert mod._last_loss(log) == 4.7414
+    assert mod._last_loss(tmp_path / "missing.log") is None
+
+
+def test_a_done_stage_is_skipped_without_running_anything(tmp_path, monkeypatch):
+    mod = load_script("gpu_route")
+    (tmp_path / "fast_warmup").mkdir()
+    (tmp_path / "fast_warmup" / "status.json").write_text(json.dumps({"state": "done"}))
+    monkeypatch.setattr(mod, "_cepe", lambda: ["false"])  # would fail if it ran
+    tl = _timeline()
+    assert mod.run_stage("fast_warmup", "warmup", tmp_path, [], time.time() + 60, tl)
+    assert tl["stages"] == [{"name": "fast_warmup", "skipped": "done already"}]
+
+
+def test_a_stage_past_the_deadline_gets_sigterm(tmp_path, monkeypatch):
+    mod = load_script("gpu_route")
+    # a stand-in trainer that writes "stopped" on SIGTERM, as cepe train checkpoints and exits
+    script = f'trap \'echo {{\\"state\\": \\"stopped\\"}} > {tmp_path}/s/status.json; exit 0\' TERM; sleep 30 & wait'
+    (tmp_path / "s").mkdir()
+    monkeypatch.setattr(mod, "_cepe", lambda: ["bash", "-c", script, "stand-in"])
+    tl = _timeline()
+    t0 = time.time()
+    done = mod.run_stage("s", "cepe", tmp_path, [], time.time() + 1.0, tl)
+    assert time.time() - t0 < 15
+    assert not done
+    assert tl["stages"][0]["rc"] == 0 and tl["stages"][0]["done"] is False
+    assert json.loads((tmp_path / "s" / "status.json").read_text())["state"] == "stopped"
+
+
+def test_export_pieces_join_back_to_the_adapter_file(tmp_path, monkeypatch):
+    mod = load_script("gpu_route")
+    payload = bytes(range(256)) * 41  # 10,496 bytes
+
+    def fake_run(cmd, **kwargs):  # stands in for `cepe export --quantize int8`
+        out = tmp_path / "dest" / ".a.export"
+        assert cmd[cmd.index("--quantize") + 1] == "int8"
+        out.mkdir(parents=True)
+        (out / "adapter_model.safetensors").write_bytes(payload)
+        (out / "cepe_config.json").write_text("{}")
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(mod, "PIECE", 4096)
+    names = mod.export_int8(tmp_path / "adapter", tmp_path / "dest", "a")
+    assert names == [f"a.int8.safetensors.part{i:02d}" for i in range(3)]
+    joined = b"".join((tmp_path / "dest" / n).read_bytes() for n in names)
+    assert joined == payload
+    assert (tmp_path / "dest" / "a.cepe_config.json").exists()
+    assert not (tmp_path / "dest" / ".a.export").exists()
