@@ -34,6 +34,11 @@ import tarfile
 import time
 from pathlib import Path
 
+from cepe.configio import read_config_file
+from cepe.training.checkpoint import checkpoint_dirs
+from cepe.training.runctl import read_status
+from cepe.training.trainer import read_log
+
 ROOT = Path(__file__).resolve().parent.parent
 ROUTE = [
     ("fast_warmup", "warmup"),
@@ -67,43 +72,29 @@ def _cepe() -> list[str]:
     )
 
 
-def _read_yaml_key(cfg: Path, key: str) -> str:
-    for line in cfg.read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return line.split(":", 1)[1].split("#")[0].strip()
-    raise KeyError(f"{cfg}: no top-level {key}")
+def _steps(name: str) -> int:
+    """The ``steps`` of a route stage's config."""
+    return int(read_config_file(ROOT / f"configs/train/recipe/{name}.yaml")["steps"])
 
 
-def _status(out: Path) -> dict:
-    try:
-        return json.loads((out / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
+def _done(out: Path) -> bool:
+    return (read_status(out) or {}).get("state") == "done"
 
 
 def _last_step(out: Path) -> int | None:
-    steps = sorted(
-        int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "adapter").is_dir()
-    )
-    return steps[-1] if steps else None
+    found = checkpoint_dirs(out)
+    return found[-1][0] if found else None
 
 
-def _last_loss(log: Path) -> float | None:
-    loss = None
-    if log.exists():
-        for line in log.read_text(errors="replace").splitlines():
-            if ", loss " in line:
-                try:
-                    loss = float(line.split(", loss ")[1].split(",")[0])
-                except ValueError:
-                    pass
-    return loss
+def _last_loss(out: Path) -> float | None:
+    losses = [r["loss"] for r in read_log(out) if "loss" in r]
+    return losses[-1] if losses else None
 
 
 def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: float, timeline: dict) -> bool:
     """Train (or resume) one stage until it is done or the deadline passes; True when it is done."""
     out = runs / name
-    if _status(out).get("state") == "done":
+    if _done(out):
         timeline["stages"].append({"name": name, "skipped": "done already"})
         return True
     cmd = [
@@ -131,14 +122,14 @@ def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: flo
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait()
-    done = _status(out).get("state") == "done"
+    done = _done(out)
     row = {
         "name": name,
         "seconds": round(time.time() - t0, 1),
         "rc": rc,
         "done": done,
         "last_checkpoint": _last_step(out),
-        "last_loss": _last_loss(log),
+        "last_loss": _last_loss(out),
     }
     timeline["stages"].append(row)
     print(f"[{time.time() - timeline['t0']:6.0f} s] {name}: {row}", flush=True)
@@ -147,51 +138,22 @@ def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: flo
     return done
 
 
-def probe(name: str, step: int, timeline: dict, full: bool = False) -> None:
-    """scripts/probe_stage.sh NAME STEP; ``full``: only the ICL and QA probes that FULL=1 adds."""
-    t0 = time.time()
+def probe(name: str, step: int, timeline: dict) -> None:
+    """``scripts/probe_stage.sh NAME STEP`` (ICL and QA: FULL=1 later, where time is cheaper)."""
     if any(p["rc"] for p in timeline["probes"]):  # the evaluation assets are missing: do not spend time again
         return
-    if full:
-        adapter = f"runs/recipe/{name}/checkpoints/step_{step:06d}/adapter"
-        out = f"results/recipe/{name}/step{step:03d}"
-        cmds = [
-            [
-                *_cepe(),
-                "eval",
-                task,
-                "--model",
-                adapter,
-                "--config",
-                f"configs/eval/{task}.yaml",
-                "--methods",
-                "cepe",
-                "--autocast",
-                "auto",
-                "--no-progress",
-                "--out",
-                f"{out}/{task}",
-                "--batch-size",
-                "1",
-            ]
-            for task in ("icl", "qa")
-        ]
-    else:
-        cmds = [["bash", "scripts/probe_stage.sh", name, str(step)]]
-    outs, rc = [], 0
-    for cmd in cmds:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        rc = rc or proc.returncode
-        outs.append(proc.stdout.strip())
-        print(proc.stdout[-3000:] + proc.stderr[-2000:], flush=True)
+    t0 = time.time()
+    proc = subprocess.run(
+        ["bash", "scripts/probe_stage.sh", name, str(step)], cwd=ROOT, capture_output=True, text=True
+    )
+    print(proc.stdout[-3000:] + proc.stderr[-2000:], flush=True)
     timeline["probes"].append(
         {
             "name": name,
             "step": step,
-            "full": full,
-            "rc": rc,
+            "rc": proc.returncode,
             "seconds": round(time.time() - t0, 1),
-            "summary": "\n".join(outs).splitlines()[-12:],
+            "summary": proc.stdout.strip().splitlines()[-12:],
         }
     )
 
@@ -267,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
             break
         prev = name
-        done_last = (name, int(_read_yaml_key(ROOT / f"configs/train/recipe/{name}.yaml", "steps")))
-    fold_steps = int(_read_yaml_key(ROOT / f"configs/train/recipe/{ROUTE[-1][0]}.yaml", "steps"))
+        done_last = (name, _steps(name))
+    fold_steps = _steps(ROUTE[-1][0])
     last = None
     if ok and not args.smoke:
         probe(ROUTE[-1][0], fold_steps, timeline)
@@ -307,13 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         timeline["exported"] = export_int8(
             runs / last[0] / f"checkpoints/step_{last[1]:06d}/adapter", args.out, last[0]
         )
-    if last and end - time.time() > 2.5 * timeline["probes"][-1]["seconds"] + 30:
-        probe(last[0], last[1], timeline, full=True)
     timeline["seconds"] = round(time.time() - t0, 1)
     (args.out / "gpu_route.json").write_text(json.dumps(timeline, indent=2))
     with tarfile.open(args.out / "results.tar.gz", "w:gz") as tar:
         for name in [n for n, _ in ROUTE] + [LONG]:
-            for p in (ROOT / "results/recipe" / name, runs / f"{name}.log", runs / name / "status.json"):
+            for p in (
+                ROOT / "results/recipe" / name,
+                runs / f"{name}.log",
+                runs / name / "status.json",
+                runs / name / "log.jsonl",
+            ):
                 if p.exists():
                     tar.add(p, arcname=str(p.relative_to(ROOT)))
         tar.add(args.out / "gpu_route.json", arcname="gpu_route.json")

@@ -13,21 +13,21 @@ def _timeline():
     return {"t0": time.time(), "stages": [], "probes": []}
 
 
-def test_last_step_needs_an_adapter_and_last_loss_reads_the_trainer_lines(tmp_path):
+def test_last_step_needs_a_complete_checkpoint_and_last_loss_reads_the_log(tmp_path):
     mod = load_script("gpu_route")
-    for step, with_adapter in ((20, True), (40, True), (60, False)):
+    from cepe.training.checkpoint import STATE_FILE
+
+    for step, complete in ((20, True), (40, True), (60, False)):
         d = tmp_path / "checkpoints" / f"step_{step:06d}"
-        (d / "adapter" if with_adapter else d).mkdir(parents=True)
+        d.mkdir(parents=True)
+        if complete:
+            (d / STATE_FILE).write_text("{}")
     assert mod._last_step(tmp_path) == 40
-    log = tmp_path / "x.log"
-    log.write_text(
-        "cepe: compute bfloat16\n"
-        "runs/recipe/x: cepe running, step 1/40, tokens seen 1,024 dec, loss 4.9700, 11 dec tok/s\n"
-        "runs/recipe/x: cepe running, step 2/40, tokens seen 2,048 dec, loss 4.7414, 12 dec tok/s\n"
-        "wrote runs/recipe/x\n"
+    assert mod._last_loss(tmp_path) is None
+    (tmp_path / "log.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in ((1, 4.97), (2, 4.7414)))
     )
-    assert mod._last_loss(log) == 4.7414
-    assert mod._last_loss(tmp_path / "missing.log") is None
+    assert mod._last_loss(tmp_path) == 4.7414
 
 
 def test_a_done_stage_is_skipped_without_running_anything(tmp_path, monkeypatch):

@@ -526,9 +526,8 @@ def _measure_peak(run: _Run, use_bf16: bool) -> float | None:
 
         # the benchmark's 4096² matmul in bf16 (tens of ms); 2048² in fp32, where one 4096² takes seconds
         # on a CPU; on an accelerator 8192² (a 4096² product is too short to fill it)
-        accel = run.acc.device.type != "cpu"
-        size, dt = (4096, torch.bfloat16) if use_bf16 else (2048, torch.float32)
-        size = 8192 if accel else size
+        dt = torch.bfloat16 if use_bf16 else torch.float32
+        size = 8192 if run.acc.device.type != "cpu" else (4096 if use_bf16 else 2048)
         peak_box[0] = matmul_peak_flops(size, dt, cfg.peak_seconds, run.acc.device)
     return run.agree(peak_box)[0]
 
