@@ -79,6 +79,7 @@ ROUTE = [
     ("fast_fold_qa", 40),  # the fold's mix swapped for fast_direct_qa's, from gpu_fast_fold
     ("fast_fold_qa2", 40),  # forty more of the same
     ("fast_fold_gates", 40),  # the fold's mix with only the gates training, from fast_fold_qa2
+    ("fast_fold_qa3", 40),  # fast_fold_qa2's mix, forty more
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
