@@ -80,6 +80,7 @@ ROUTE = [
     ("fast_fold_qa2", 40),  # forty more of the same
     ("fast_fold_gates", 40),  # the fold's mix with only the gates training, from fast_fold_qa2
     ("fast_fold_qa3", 40),  # fast_fold_qa2's mix, forty more
+    ("fast_fold_gates_nolen", 40),  # fast_fold_gates with the length exponents held
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
