@@ -123,6 +123,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_span",
         "qa_span_tokens",
         "qa_compound",
+        "qa_line_break",
         "icl_scored",
         "icl_arbitrary",
         "icl_align",
@@ -158,6 +159,8 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, qa_span_tokens=[8, 32]).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_compound=0.0).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_compound=0.5).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, qa_line_break=0.0).fingerprint() == cfg.fingerprint()
+    assert _cfg(tmp_path, qa_line_break=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, optim={"lr_by_name": {"gate": 1e-2}}).fingerprint() != cfg.fingerprint()
 
 
@@ -715,6 +718,75 @@ def test_qa_compound_facts_answer_with_the_whole_sentence(tmp_path):
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="qa_compound"):
             _mixed(tmp_path, qa_compound=bad)
+
+
+class _WordCodec:
+    """Splits text as byte-level BPE pre-tokenizers do (a word keeps its leading space, a line break is its
+    own token), so a word after a line break is a different token from the same word after a space."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=False):
+        import re
+
+        return [self.vocab.setdefault(p, len(self.vocab)) for p in re.findall(r"\n| ?[^\s]+", text)]
+
+
+def test_broken_answer_respells_the_word_after_the_break():
+    """broken_answer: one space becomes a line break; every token but the break copies a token of the
+    unbroken spelling, the respelled word ("to" for " to") copying its unbroken self."""
+    import random
+
+    from cepe.training.synthetic_qa import broken_answer
+
+    tok = _WordCodec()
+    fact = "They prune the roses in March and feed them."
+    ids = tok.encode(fact)
+    seen = set()
+    for seed in range(40):
+        broken, source = broken_answer(tok, fact, ids, random.Random(seed))
+        inv = {v: k for k, v in tok.vocab.items()}
+        text = "".join(inv[t] for t in broken)
+        assert text.count("\n") == 1 and text.replace("\n", " ") == fact
+        assert source.count(-1) == 1 and inv[broken[source.index(-1)]] == "\n"
+        for t, s in zip(broken, source):
+            if s >= 0:
+                assert inv[t].strip() == inv[ids[s]].strip()
+        assert source[-1] == len(ids) - 1
+        seen.add(text.index("\n"))
+    assert len(seen) >= 5 and min(seen) > 0  # at many places, never before the first word
+    assert broken_answer(tok, "Alone.", tok.encode("Alone."), random.Random(0)) is None
+
+
+def test_qa_line_break_answers_skip_the_break_and_copy_on(tmp_path):
+    """qa_line_break: the answer holds one line break, not scored and with no target; every scored answer
+    token but the end of turn has its copy in the encoder as its target; 0 draws nothing."""
+    import random
+
+    from cepe.training.synthetic_qa import qa_example
+
+    words = "amber quokka lattice verdant pylon mosaic".split()
+    text = " ".join(words[i % 6] + str(i) for i in range(300)).encode()[:1024]
+    enc = torch.tensor(list(text)).reshape(8, 128)
+    dec = torch.full((200,), ord("x"))
+    for seed in range(6):
+        new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, line_break=1.0)
+        answer = ids[(labels != -100).nonzero().min() :]
+        assert answer.tolist().count(ord("\n")) == 1  # the byte stand-in has no end-of-turn token
+        at = (ids == ord("\n")).nonzero().flatten()[-1]
+        assert labels[at] == -100 and align[at - 1] == -1
+        pos = (align >= 0).nonzero().flatten()
+        assert len(pos) >= len(answer) - 2 and torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
+        assert (
+            bytes(answer.tolist()).decode().replace("\n", " ") in bytes(new_enc.flatten().tolist()).decode()
+        )
+    plain = [qa_example(enc, dec, random.Random(s), "d", 259) for s in range(3)]
+    zero = [qa_example(enc, dec, random.Random(s), "d", 259, line_break=0.0) for s in range(3)]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, zero))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="qa_line_break"):
+            _mixed(tmp_path, qa_line_break=bad)
 
 
 def test_training_facts_are_not_the_evaluations_templates():

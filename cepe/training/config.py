@@ -218,6 +218,10 @@ class TrainConfig:
         qa_compound: mixed stage: the probability that a planted fact is two facts in one sentence joined
             by ", and " (the second from the word lists), asked about the first: the answer restates the
             whole sentence, reading on past the clause that answers the question.
+        qa_line_break: mixed stage: the probability that a ``qa`` answer breaks its line at a random space
+            between words, as answers do in hard-wrapped windows: the break is not scored; the words after
+            it are, with their attention targets on the unbroken copy in the encoder (the tokenizer may
+            spell the word after a break differently).
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -316,6 +320,7 @@ class TrainConfig:
     qa_span: float = 0.0
     qa_span_tokens: list[int] = field(default_factory=lambda: list(QA_SPAN_TOKENS))
     qa_compound: float = 0.0
+    qa_line_break: float = 0.0
     icl_scored: int = 0
     icl_arbitrary: float = 0.5
     icl_align: bool = False
@@ -552,6 +557,7 @@ class TrainConfig:
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
         _check(0.0 <= self.qa_compound <= 1.0, f"qa_compound must be in [0, 1], got {self.qa_compound}")
+        _check(0.0 <= self.qa_line_break <= 1.0, f"qa_line_break must be in [0, 1], got {self.qa_line_break}")
         _check(
             len(self.qa_span_tokens) == 2 and 1 <= int(self.qa_span_tokens[0]) <= int(self.qa_span_tokens[1]),
             f"qa_span_tokens must be [min, max] with 1 <= min <= max, got {self.qa_span_tokens}",
@@ -639,6 +645,7 @@ class TrainConfig:
             "qa_inline",
             "qa_span",
             "qa_compound",
+            "qa_line_break",
             "context_drop",
             "icl_scored",
             "chunk_lengths",

@@ -338,6 +338,7 @@ def mixed_example(
             span=cfg.qa_span,
             span_tokens=tuple(cfg.qa_span_tokens),
             compound=cfg.qa_compound,
+            line_break=cfg.qa_line_break,
         )
     elif kind == "icl":
         import random

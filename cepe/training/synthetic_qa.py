@@ -252,6 +252,38 @@ def _sentence_ends(decoder: str, tiny_vocab: int | None) -> frozenset[int]:
     return frozenset(out)
 
 
+def broken_answer(
+    tok: Any, fact: str, ids: list[int], r: random.Random
+) -> tuple[list[int], list[int]] | None:
+    """``fact`` (spelled ``ids``) with one space between words, drawn at random, made a line break, as
+    an answer breaks its line where the window's text is hard-wrapped; the tokenizer may spell the next
+    word differently at a line's start (" to" and "to" are different tokens).
+
+    Returns:
+        ``(broken_ids, source)``: ``source[k]`` is the index in ``ids`` of the token that ``broken_ids[k]``
+        copies (-1 for the line break itself), or None where the spellings do not line up token for token
+        outside the break (or ``fact`` has no space after its first word).
+    """
+    spaces = [i for i, c in enumerate(fact) if c == " " and i > 0 and fact[i + 1 : i + 2].strip()]
+    if not spaces:
+        return None
+    i = r.choice(spaces)
+    head = tok.encode(fact[:i], add_special_tokens=False)
+    nl = tok.encode("\n", add_special_tokens=False)
+    rest = tok.encode(fact[i + 1 :], add_special_tokens=False)
+    if not head or ids[: len(head)] != head or not rest:
+        return None
+    tail = 0  # the tokens both spellings end with
+    while tail < min(len(rest), len(ids) - len(head)) and rest[-1 - tail] == ids[-1 - tail]:
+        tail += 1
+    odd_rest, odd_ids = len(rest) - tail, len(ids) - len(head) - tail  # the word at the break, respelled
+    if odd_rest not in (0, odd_ids):  # no one-to-one copy for the respelled word
+        return None
+    source = list(range(len(head))) + [-1] * len(nl)
+    source += [len(ids) - len(rest) + k for k in range(len(rest))]
+    return head + nl + rest, source
+
+
 def chat_prefix_length(decoder: str, tiny_vocab: int | None = None) -> int:
     """Tokens of the chat template's opening that start every ``qa`` decoder (0 without a template)."""
     return len(_chat_parts(decoder, tiny_vocab)[0])
@@ -269,6 +301,7 @@ def qa_example(
     span: float = 0.0,
     span_tokens: tuple[int, int] = SPAN_TOKENS,
     compound: float = 0.0,
+    line_break: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
@@ -279,6 +312,9 @@ def qa_example(
     encoder's own text (:func:`make_span_fact`) instead of a word from the lists, ``span_tokens`` =
     ``(min, max)`` tokens long. With ``compound`` > 0 each fact is, with that probability, two facts in
     one sentence (:func:`compound_fact`; the second from the word lists), asked about its first clause.
+    With ``line_break`` > 0 the answer breaks its line at a random space between words with that
+    probability (:func:`broken_answer`): the break is not scored, the words after it are, their targets
+    on the unbroken copy in the encoder.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -324,6 +360,11 @@ def qa_example(
     before, after = _chat_parts(decoder, tiny_vocab)
     question = tok.encode("\n\n" + facts[asked].question, add_special_tokens=False)
     answer = fact_ids[asked]  # the fact restated, token for token
+    source = list(range(len(answer)))  # answer token -> the fact token it copies (-1: none)
+    if line_break and r.random() < line_break:  # no draw at 0
+        broken = broken_answer(tok, facts[asked].fact, answer, r)
+        if broken is not None:
+            answer, source = broken
     eos = getattr(tok, "eos_token_id", None)
     end = [int(eos)] if eos is not None else []  # then the end of the turn
     n = dec.shape[-1]
@@ -335,11 +376,12 @@ def qa_example(
         )
     tail = dec[:room].tolist()
     ids = before + tail + question + after + answer + end
-    labels = [-100] * (n - len(answer) - len(end)) + answer + end
+    scored = [t if s >= 0 else -100 for t, s in zip(answer, source)]  # a line break is not scored
+    labels = [-100] * (n - len(answer) - len(end)) + scored + end
     align = [-1] * n
     start = n - len(answer) - len(end)
-    for j in range(len(answer)):  # position start-1+j predicts answer token j, whose copy is at pos+j
-        if pos + j < m:
-            align[start - 1 + j] = pos + j
+    for j, s in enumerate(source):  # position start-1+j predicts answer token j, whose copy is at pos+s
+        if s >= 0 and pos + s < m:
+            align[start - 1 + j] = pos + s
     new_enc = torch.tensor(out, dtype=enc.dtype).reshape(enc.shape)
     return new_enc, torch.tensor(ids, dtype=dec.dtype), torch.tensor(labels), torch.tensor(align)
