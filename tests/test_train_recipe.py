@@ -621,6 +621,14 @@ def test_context_drop_keeps_the_last_chunks_of_continuation_examples(tmp_path):
         assert all(build_example(off, src[i], i, None)["encoder_attention_mask"].all() for i in range(10))
 
 
+def _byte_qa_inputs(k: int, length: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoder text ``(k, length)`` of numbered words in bytes (for the byte-level stand-in tokenizer) and a
+    decoder ``(n,)`` of filler."""
+    words = "amber quokka lattice verdant pylon mosaic".split()
+    text = " ".join(words[i % 6] + str(i) for i in range(k * length // 3)).encode()[: k * length]
+    return torch.tensor(list(text)).reshape(k, length), torch.full((n,), ord("x"))
+
+
 def test_qa_span_facts_copy_the_encoders_own_text():
     """qa_span: a fact's value is a few tokens of the encoder's own text (never a word from the fact
     lists), the answer restates the planted fact and its attention targets point at the planted copy;
@@ -629,17 +637,14 @@ def test_qa_span_facts_copy_the_encoders_own_text():
 
     from cepe.training.synthetic_qa import make_fact, make_span_fact, qa_example
 
-    words = "amber quokka lattice verdant pylon mosaic".split()
-    text = " ".join(words[i % 6] + str(i) for i in range(80)).encode()[:256]
-    enc = torch.tensor(list(text)).reshape(4, 64)
-    dec = torch.full((200,), ord("x"))
+    enc, dec = _byte_qa_inputs(4, 64, 200)
     for seed in range(8):
         new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, span=1.0)
         answer = bytes(ids[labels != -100].tolist()).decode().removesuffix("\n")
         body = bytes(new_enc.flatten().tolist()).decode(errors="replace")
         assert answer in body  # planted as the answer spells it
         value = answer.split('"')[1] if '"' in answer else answer.split(": ", 1)[1].rstrip(".")
-        assert len(value) >= 3 and value in text.decode(), answer
+        assert len(value) >= 3 and value in bytes(enc.flatten().tolist()).decode(), answer
         pos = (align >= 0).nonzero().flatten()
         assert torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
     fact = make_span_fact(random.Random(0), "three small words")
@@ -684,6 +689,21 @@ def test_qa_span_tokens_sets_the_length_of_free_form_values(tmp_path):
             _mixed(tmp_path, qa_span_tokens=bad)
 
 
+def _off_at_zero_and_bounded(tmp_path, enc, dec, arg: str, field: str) -> None:
+    """A qa_example probability ``arg`` at 0 draws nothing (older runs unchanged), and the config field
+    ``field`` refuses values outside [0, 1]."""
+    import random
+
+    from cepe.training.synthetic_qa import qa_example
+
+    plain = [qa_example(enc, dec, random.Random(s), "d", 259) for s in range(3)]
+    zero = [qa_example(enc, dec, random.Random(s), "d", 259, **{arg: 0.0}) for s in range(3)]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, zero))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=field):
+            _mixed(tmp_path, **{field: bad})
+
+
 def test_qa_compound_facts_answer_with_the_whole_sentence(tmp_path):
     """qa_compound: two facts in one planted sentence, asked about the first; the answer restates the whole
     sentence (both clauses) with its attention targets on the planted copy; 0 draws nothing."""
@@ -701,10 +721,7 @@ def test_qa_compound_facts_answer_with_the_whole_sentence(tmp_path):
     assert named.fact.endswith(", and Kofi Varga owns 12 books.")  # a name keeps its capital
     lower = compound_fact(f, Fact("The access code for the mill in Fez is 4471.", "?"))
     assert lower.fact.endswith(", and the access code for the mill in Fez is 4471.")
-    words = "amber quokka lattice verdant pylon mosaic".split()
-    text = " ".join(words[i % 6] + str(i) for i in range(300)).encode()[:1024]
-    enc = torch.tensor(list(text)).reshape(8, 128)  # room for four two-clause facts
-    dec = torch.full((240,), ord("x"))
+    enc, dec = _byte_qa_inputs(8, 128, 240)  # room for four two-clause facts
     for seed in range(6):
         new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, compound=1.0)
         answer = bytes(ids[labels != -100].tolist()).decode().removesuffix("\n")
@@ -712,12 +729,7 @@ def test_qa_compound_facts_answer_with_the_whole_sentence(tmp_path):
         assert answer in bytes(new_enc.flatten().tolist()).decode(errors="replace")
         pos = (align >= 0).nonzero().flatten()
         assert len(pos) > 0 and torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
-    plain = [qa_example(enc, dec, random.Random(s), "d", 259) for s in range(3)]
-    zero = [qa_example(enc, dec, random.Random(s), "d", 259, compound=0.0) for s in range(3)]
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, zero))
-    for bad in (-0.1, 1.5):
-        with pytest.raises(ValueError, match="qa_compound"):
-            _mixed(tmp_path, qa_compound=bad)
+    _off_at_zero_and_bounded(tmp_path, enc, dec, "compound", "qa_compound")
 
 
 class _WordCodec:
@@ -766,10 +778,7 @@ def test_qa_line_break_answers_skip_the_break_and_copy_on(tmp_path):
 
     from cepe.training.synthetic_qa import qa_example
 
-    words = "amber quokka lattice verdant pylon mosaic".split()
-    text = " ".join(words[i % 6] + str(i) for i in range(300)).encode()[:1024]
-    enc = torch.tensor(list(text)).reshape(8, 128)
-    dec = torch.full((200,), ord("x"))
+    enc, dec = _byte_qa_inputs(8, 128, 200)
     for seed in range(6):
         new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, line_break=1.0)
         answer = ids[(labels != -100).nonzero().min() :]
@@ -781,12 +790,7 @@ def test_qa_line_break_answers_skip_the_break_and_copy_on(tmp_path):
         assert (
             bytes(answer.tolist()).decode().replace("\n", " ") in bytes(new_enc.flatten().tolist()).decode()
         )
-    plain = [qa_example(enc, dec, random.Random(s), "d", 259) for s in range(3)]
-    zero = [qa_example(enc, dec, random.Random(s), "d", 259, line_break=0.0) for s in range(3)]
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, zero))
-    for bad in (-0.1, 1.5):
-        with pytest.raises(ValueError, match="qa_line_break"):
-            _mixed(tmp_path, qa_line_break=bad)
+    _off_at_zero_and_bounded(tmp_path, enc, dec, "line_break", "qa_line_break")
 
 
 def test_training_facts_are_not_the_evaluations_templates():
