@@ -1,6 +1,7 @@
 """How many planted-fact answers ``qa_line_break`` can break with the default tokenizer (docs/TRAINING.md,
-"Answers that break their line"): facts drawn as ``qa`` examples draw them, a third of them two clauses;
-an answer that cannot be broken token for token stays whole in training.
+"Answers that break their line"): facts from the ``qa`` examples' generators (``make_fact``, every third
+one two clauses by ``compound_fact``; span facts are left out); an answer that cannot be broken token
+for token stays whole in training.
 
 Usage: python scripts/qa_break_coverage.py [N]   (default 300 facts, seed 0)
 """
