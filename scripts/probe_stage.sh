@@ -6,11 +6,12 @@
 # length exponents' pivot (lm_val_long.yaml: 4K / 8K totals); with FULL=1 also ICL (2 + 4 / 2 + 8)
 # and QA (k = 2 / 5 / 10). Results: results/recipe/NAME/stepNNN/. Run with nothing training on the same cores.
 # Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
+#        ADAPTER=DIR bash scripts/probe_stage.sh NAME STEP   (any adapter directory, e.g. an average of two)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
 NAME=$1; STEP=$2
-ADAPTER=runs/recipe/$NAME/checkpoints/step_$(printf "%06d" "$STEP")/adapter
+ADAPTER=${ADAPTER:-runs/recipe/$NAME/checkpoints/step_$(printf "%06d" "$STEP")/adapter}
 OUT=results/recipe/$NAME/step$(printf "%03d" "$STEP")
 [ -d "$ADAPTER" ] || { echo "no adapter at $ADAPTER: train the stage first (bash scripts/train_chain.sh $NAME)" >&2; exit 2; }
 mkdir -p "$OUT"

@@ -84,6 +84,7 @@ ROUTE = [
     ("fast_fold_break", 40),  # fast_fold_qa2's mix with answers that break their line, from fast_fold_qa2
     ("fast_fold_break_gates", 40),  # fast_fold_gates' mix with answers that break, from fast_fold_break
     ("fast_fold_break_only", 40),  # fast_fold_break without the two-clause facts
+    ("fast_fold_decoys", 40),  # fast_fold_qa2's mix with decoy facts sharing the answer's opening
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")

@@ -124,6 +124,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_span_tokens",
         "qa_compound",
         "qa_line_break",
+        "qa_decoys",
         "icl_scored",
         "icl_arbitrary",
         "icl_align",
@@ -161,6 +162,8 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, qa_compound=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_line_break=0.0).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_line_break=0.5).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, qa_decoys=0.0).fingerprint() == cfg.fingerprint()
+    assert _cfg(tmp_path, qa_decoys=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, optim={"lr_by_name": {"gate": 1e-2}}).fingerprint() != cfg.fingerprint()
 
 
@@ -730,6 +733,48 @@ def test_qa_compound_facts_answer_with_the_whole_sentence(tmp_path):
         pos = (align >= 0).nonzero().flatten()
         assert len(pos) > 0 and torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
     _off_at_zero_and_bounded(tmp_path, enc, dec, "compound", "qa_compound")
+
+
+def test_decoy_facts_open_with_the_asked_facts_words():
+    """decoy_fact: the same opening two words (a name, or a template's words), another question."""
+    import random
+
+    from cepe.training.synthetic_qa import ByteCodec, Fact, decoy_fact
+
+    stream = list(b"The river ran past the mill. Nobody crossed it in winter, and the ferry was slow.")
+    asked = [
+        Fact("Mara Olsen was born in Porto.", "Where was Mara Olsen born?"),
+        Fact("The access code for the mill in Fez is 4471.", "What is the access code for the mill in Fez?"),
+        Fact("A telegram to Kofi Varga said only: come home.", "What did the telegram to Kofi Varga say?"),
+        Fact("The mill in Fez was built in 1410.", "When was the mill in Fez built?"),
+    ]
+    for fact in asked:
+        for seed in range(5):
+            decoy = decoy_fact(fact, random.Random(seed), stream, ByteCodec())
+            assert decoy is not None and decoy.fact.split()[:2] == fact.fact.split()[:2]
+            assert decoy.question != fact.question and decoy.fact != fact.fact
+    assert decoy_fact(Fact("Zebras roam the plain.", "?"), random.Random(0), stream, ByteCodec()) is None
+
+
+def test_qa_decoys_plant_the_answers_opening_more_than_once(tmp_path):
+    """qa_decoys: the answer's opening words stand in the encoder at two or more planted facts, and the
+    answer's attention targets are the asked fact's copy, token after token; 0 draws nothing."""
+    import random
+
+    from cepe.training.synthetic_qa import qa_example
+
+    enc, dec = _byte_qa_inputs(8, 128, 200)
+    for seed in range(6):
+        new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, decoys=1.0)
+        answer = bytes(ids[labels != -100].tolist()).decode()
+        text = bytes(new_enc.flatten().tolist()).decode(errors="replace")
+        opening = " ".join(answer.split()[:2])
+        assert text.count("\n" + opening) >= 2 and ("\n" + answer + "\n") in text
+        pos = (align >= 0).nonzero().flatten()
+        assert torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
+        assert torch.equal(align[pos], align[pos[0]] + torch.arange(len(pos)))  # one copy, in order
+        assert len(pos) == len(answer)
+    _off_at_zero_and_bounded(tmp_path, enc, dec, "decoys", "qa_decoys")
 
 
 class _WordCodec:

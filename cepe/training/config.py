@@ -222,6 +222,11 @@ class TrainConfig:
             between words, as answers do in hard-wrapped windows: the break is not scored; the words after
             it are, with their attention targets on the unbroken copy in the encoder (the tokenizer may
             spell the word after a break differently).
+        qa_decoys: mixed stage: the probability that every planted fact but the asked one is a decoy that
+            opens with the asked fact's first two words (the same name, or the same template's words) and
+            says something else: the answer's opening then stands in the encoder more than once, and the
+            question alone says which copy to read on from, as a needle's opening words stand all over a
+            haystack.
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -321,6 +326,7 @@ class TrainConfig:
     qa_span_tokens: list[int] = field(default_factory=lambda: list(QA_SPAN_TOKENS))
     qa_compound: float = 0.0
     qa_line_break: float = 0.0
+    qa_decoys: float = 0.0
     icl_scored: int = 0
     icl_arbitrary: float = 0.5
     icl_align: bool = False
@@ -558,6 +564,7 @@ class TrainConfig:
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
         _check(0.0 <= self.qa_compound <= 1.0, f"qa_compound must be in [0, 1], got {self.qa_compound}")
         _check(0.0 <= self.qa_line_break <= 1.0, f"qa_line_break must be in [0, 1], got {self.qa_line_break}")
+        _check(0.0 <= self.qa_decoys <= 1.0, f"qa_decoys must be in [0, 1], got {self.qa_decoys}")
         _check(
             len(self.qa_span_tokens) == 2 and 1 <= int(self.qa_span_tokens[0]) <= int(self.qa_span_tokens[1]),
             f"qa_span_tokens must be [min, max] with 1 <= min <= max, got {self.qa_span_tokens}",
@@ -646,6 +653,7 @@ class TrainConfig:
             "qa_span",
             "qa_compound",
             "qa_line_break",
+            "qa_decoys",
             "context_drop",
             "icl_scored",
             "chunk_lengths",

@@ -339,6 +339,7 @@ def mixed_example(
             span_tokens=tuple(cfg.qa_span_tokens),
             compound=cfg.qa_compound,
             line_break=cfg.qa_line_break,
+            decoys=cfg.qa_decoys,
         )
     elif kind == "icl":
         import random

@@ -74,13 +74,16 @@ def _number(r: random.Random) -> str:
 NUM_TEMPLATES = 12
 
 
-def make_fact(r: random.Random, templates: int = NUM_TEMPLATES) -> Fact:
+def make_fact(
+    r: random.Random, templates: int = NUM_TEMPLATES, person: str | None = None, thing: str | None = None
+) -> Fact:
     """A random fact of one of the first ``templates`` templates, with its question; the answer repeats
-    the fact word for word. (The first six are the ones ``long_mixed_qa`` began with.)"""
+    the fact word for word. (The first six are the ones ``long_mixed_qa`` began with.) ``person`` and
+    ``thing`` ("the mill in Fez"): whom or what a fact about someone or a place names (default: drawn)."""
     kind = r.randrange(templates)
-    p = _person(r)
+    p = _person(r) if person is None else person
     if kind >= 6:
-        return _more_facts(kind, p, r)
+        return _more_facts(kind, p, r, thing)
     if kind == 0:
         v = r.choice(PLACES)
         s = f"{p} was born in {v}."
@@ -90,7 +93,7 @@ def make_fact(r: random.Random, templates: int = NUM_TEMPLATES) -> Fact:
         s = f"{p} painted the front door {v}."
         return Fact(s, f"What colour did {p} paint the front door?")
     if kind == 2:
-        thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}"
+        thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}" if thing is None else thing
         v = _number(r)
         s = f"The access code for {thing} is {v}."
         return Fact(s, f"What is the access code for {thing}?")
@@ -110,10 +113,10 @@ def make_fact(r: random.Random, templates: int = NUM_TEMPLATES) -> Fact:
 SHIPS = "Albatross Meridian Wayfarer Kestrel Northwind Halcyon Seraphine Corvid Tideline Marigold".split()
 
 
-def _more_facts(kind: int, p: str, r: random.Random) -> Fact:
+def _more_facts(kind: int, p: str, r: random.Random, thing: str | None = None) -> Fact:
     """Facts whose subject is not a person, or whose answer starts with a name that must be read."""
     place, other = r.sample(PLACES, 2)
-    thing = f"the {r.choice(THINGS)} in {place}"
+    thing = f"the {r.choice(THINGS)} in {place}" if thing is None else thing
     Thing = "T" + thing[1:]
     if kind == 6:
         s = f"{Thing} opens at {r.randint(5, 11)} o'clock."
@@ -149,11 +152,12 @@ def compound_fact(first: Fact, second: Fact) -> Fact:
 SPAN_TOKENS = (3, 10)
 
 
-def make_span_fact(r: random.Random, value: str) -> Fact:
+def make_span_fact(r: random.Random, value: str, person: str | None = None) -> Fact:
     """A fact whose value is ``value``, a span of real text: no word list to choose from, so answering
-    means copying whatever the context holds (as a needle's free-form value asks). None of these
-    templates starts with "The", so none can take the evaluations' "The <attribute> of <person> is"."""
-    p = _person(r)
+    means copying whatever the context holds (as a needle's free-form value asks); ``person`` as in
+    :func:`make_fact`. None of these templates starts with "The", so none can take the evaluations' "The
+    <attribute> of <person> is"."""
+    p = _person(r) if person is None else person
     thing = f"the {r.choice(THINGS)} in {r.choice(PLACES)}"
     kind = r.randrange(5)
     if kind == 0:
@@ -176,6 +180,34 @@ def make_span_fact(r: random.Random, value: str) -> Fact:
         f'Under the clock of {thing} someone had scratched "{value}".',
         f"What had someone scratched under the clock of {thing}?",
     )
+
+
+def decoy_fact(
+    asked: Fact, r: random.Random, stream: list[int], tok: Any, span_tokens: tuple[int, int] = SPAN_TOKENS
+) -> Fact | None:
+    """Another fact that opens with ``asked``'s first two words (the same name, or the same template's
+    words: "The access code ...", "A telegram ...") but says something else, about which another question
+    is asked: an answer's opening that stands in the encoder more than once, as a needle's opening words
+    stand all over a haystack. Drawn from both fact families (word lists and spans of ``stream``); None
+    where 96 draws found none."""
+    head = asked.fact.split()
+    words = head[:2]
+    person = " ".join(words) if len(words) == 2 and words[0] in FIRST and words[1] in LAST else None
+    thing = "the " + " ".join(head[1:4]) if head[:1] == ["The"] and head[1:2] and head[1] in THINGS else None
+    for i in range(96):
+        if i % 2:
+            value = span_value(stream, r, tok, span_tokens)
+            fact = make_span_fact(r, value, person) if value else None
+        else:
+            fact = make_fact(r, person=person, thing=thing)
+        if (
+            fact is not None
+            and fact.fact.split()[:2] == words
+            and fact.question != asked.question
+            and fact.fact != asked.fact
+        ):
+            return fact
+    return None
 
 
 def span_value(
@@ -302,6 +334,7 @@ def qa_example(
     span_tokens: tuple[int, int] = SPAN_TOKENS,
     compound: float = 0.0,
     line_break: float = 0.0,
+    decoys: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
@@ -314,7 +347,10 @@ def qa_example(
     one sentence (:func:`compound_fact`; the second from the word lists), asked about its first clause.
     With ``line_break`` > 0 the answer breaks its line at a random space between words with that
     probability (:func:`broken_answer`): the break is not scored, the words after it are, their targets
-    on the unbroken copy in the encoder.
+    on the unbroken copy in the encoder. With ``decoys`` > 0, with that probability every fact but the
+    asked one is a decoy (:func:`decoy_fact`): one to ``max_facts - 1`` facts that open with the asked
+    fact's words, so that the answer's opening stands in the encoder more than once and the question
+    alone says which copy to read on from.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -334,6 +370,16 @@ def qa_example(
             fact = compound_fact(fact, make_fact(r, templates))
         facts.append(fact)
     asked = r.randrange(len(facts))
+    if decoys and r.random() < decoys:  # no draw at 0
+        target = facts[asked]
+        drawn = [
+            decoy_fact(target, r, stream, tok, span_tokens)
+            for _ in range(r.randint(1, max(1, max_facts - 1)))
+        ]
+        others = [f for f in drawn if f is not None]
+        if others:  # the asked fact at a random place among its decoys
+            asked = r.randint(0, len(others))
+            facts = others[:asked] + [target] + others[asked:]
     m = len(stream)
     nl = tok.encode("\n", add_special_tokens=False)
     fact_ids = [tok.encode(f.fact, add_special_tokens=False) for f in facts]  # as the answer spells them
