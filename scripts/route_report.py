@@ -87,6 +87,7 @@ ROUTE = [
     ("fast_fold_decoys", 40),  # fast_fold_qa2's mix with decoy facts sharing the answer's opening
     ("soup_qa2_gates", 40),  # the average of fast_fold_qa2 and fast_fold_gates, both at step 40
     ("soup_qa2_children", 40),  # the average of fast_fold_qa3, fast_fold_break, fast_fold_break_only
+    ("fast_fold_break_low", 40),  # fast_fold_break_only at a third of its learning rates
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
