@@ -87,6 +87,7 @@ ROUTE = [
     ("fast_fold_decoys", 40),  # fast_fold_qa2's mix with decoy facts sharing the answer's opening
     ("soup_qa2_gates", 40),  # the average of fast_fold_qa2 and fast_fold_gates, both at step 40
     ("soup_qa2_children", 40),  # the average of fast_fold_qa3, fast_fold_break, fast_fold_break_only
+    ("soup_qa2_gates_break", 40),  # the average of fast_fold_qa2, fast_fold_gates, fast_fold_break_only
     ("fast_fold_break_low", 40),  # fast_fold_break_only at a third of its learning rates
 ]
 TOTALS = (2048, 4096, 8192)
@@ -161,7 +162,12 @@ def markdown(rows: list[dict]) -> str:
             "| "
             + " | ".join(
                 [
-                    f"`{r['stage']}` step {r['step']}",
+                    f"`{r['stage']}`"
+                    + (
+                        " (an average of checkpoints)"
+                        if r["stage"].startswith("soup_")
+                        else f" step {r['step']}"
+                    ),
                     r.get("copy ppl natural (essays / papers / code)", ""),
                     r.get("copy ppl shuffled (essays / papers / code)", ""),
                     _fmt(r.get("copy_val", [])),
