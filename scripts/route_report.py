@@ -89,6 +89,9 @@ ROUTE = [
     ("soup_qa2_children", 40),  # the average of fast_fold_qa3, fast_fold_break, fast_fold_break_only
     ("soup_qa2_gates_break", 40),  # the average of fast_fold_qa2, fast_fold_gates, fast_fold_break_only
     ("fast_fold_break_low", 40),  # fast_fold_break_only at a third of its learning rates
+    ("soup_qa2_gates_break_low", 40),  # the average of fast_fold_qa2, fast_fold_gates, fast_fold_break_low
+    ("soup_qa2_all", 40),  # the average of fast_fold_qa2 and its seven forty-step continuations
+    ("soup_qa2_gates_break_decoys", 40),  # soup_qa2_gates_break's three and fast_fold_decoys
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
