@@ -33,6 +33,14 @@ DERIVED = {
     ],
     "runs/recipe/shift_b-2_g0": ["runs/recipe/fast_direct_copyshort_up"],  # shift_match_gates.py --bias -2
 }
+# Averages of stages' adapters a later stage starts from (scripts/average_adapters.py OUT ADAPTER ...;
+# docs/TRAINING.md, "A gentler continuation, and more averages"): output dir -> the adapters averaged.
+SOUPS = {
+    "runs/soup/qa2_gates_break": [
+        f"runs/recipe/{s}/checkpoints/step_000040/adapter"
+        for s in ("fast_fold_qa2", "fast_fold_gates", "fast_fold_break_only")
+    ],
+}
 
 
 def _cfg(name: str, out: Path, **over):
@@ -264,19 +272,20 @@ def test_shipped_configs_load(path):
                 for c in map(load_config, path.parent.glob("*.yaml"))
                 if c.output_dir != cfg.output_dir
             }
-            out, kept = cfg.init_adapter.removesuffix("/adapter").split("/checkpoints/step_")
-            assert cfg.init_adapter.endswith("/adapter")
-            while out in DERIVED:  # an adapter a script made from stages' adapters (docs/TRAINING.md)
-                out, *others = DERIVED[out]
-                assert all(o in srcs or o in DERIVED for o in others), others
-            assert out in srcs, out
-            if path.stem.startswith("fast_"):  # the rebuild chain: its start survives checkpoint rotation
-                src = srcs[out]
-                assert int(kept) == src.steps or int(kept) in src.keep_steps, (
-                    kept,
-                    src.steps,
-                    src.keep_steps,
-                )
+            for init in SOUPS.get(cfg.init_adapter, [cfg.init_adapter]):
+                out, kept = init.removesuffix("/adapter").split("/checkpoints/step_")
+                assert init.endswith("/adapter")
+                while out in DERIVED:  # an adapter a script made from stages' adapters (docs/TRAINING.md)
+                    out, *others = DERIVED[out]
+                    assert all(o in srcs or o in DERIVED for o in others), others
+                assert out in srcs, out
+                if path.stem.startswith("fast_"):  # the rebuild chain: its start survives rotation
+                    src = srcs[out]
+                    assert int(kept) == src.steps or int(kept) in src.keep_steps, (
+                        kept,
+                        src.steps,
+                        src.keep_steps,
+                    )
         return
     assert cfg.stage == ("warmup" if path.stem == "copy" else path.stem)  # the file name says the stage
     if path.parent.name == "tiny":
