@@ -94,6 +94,8 @@ ROUTE = [
     ("soup_qa2_gates_break_decoys", 40),  # soup_qa2_gates_break's three and fast_fold_decoys
     ("soup_qa2_gates2_break", 40),  # soup_qa2_gates_break with fast_fold_gates at twice the weight
     ("fast_soup_break_low", 40),  # fast_fold_break_low's mix and rates from soup_qa2_gates_break
+    ("soup_choice_fold", 40),  # soup_qa2_gates_break three parts to gpu_fast_fold's one
+    ("fast_soup_gates", 40),  # fast_fold_gates' stage from soup_qa2_gates_break
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
