@@ -96,6 +96,8 @@ ROUTE = [
     ("fast_soup_break_low", 40),  # fast_fold_break_low's mix and rates from soup_qa2_gates_break
     ("soup_choice_fold", 40),  # soup_qa2_gates_break three parts to gpu_fast_fold's one
     ("fast_soup_gates", 40),  # fast_fold_gates' stage from soup_qa2_gates_break
+    ("soup_choice_soup_gates", 40),  # the average of soup_qa2_gates_break and fast_soup_gates
+    ("fast_soup_dec512", 40),  # fast_soup_break_low with 512 decoder tokens
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
