@@ -31,10 +31,25 @@ C = TypeVar("C")
 
 def read_config_file(path: str | os.PathLike[str], allow_empty: bool = False) -> dict[str, Any]:
     """Read a YAML (``.yaml``/``.yml``) or JSON config file into a mapping (an empty file: ``{}`` when
-    ``allow_empty``)."""
-    p = Path(path)
+    ``allow_empty``).
+
+    A file may start from others: ``extends: base.yaml`` (or a list of files, applied in order), each path
+    relative to the file that names it. The bases are read the same way (they may extend too) and merged
+    with :func:`merge_configs`, the file's own keys last, so a recipe states only what it changes.
+
+    Raises:
+        FileNotFoundError: the file, or a base it extends, does not exist.
+        ValueError: the file is not a mapping, ``extends`` is not a path or a list of paths, or the
+            chain of ``extends`` comes back to a file already in it.
+    """
+    return _read_config_file(Path(path), allow_empty, ())
+
+
+def _read_config_file(p: Path, allow_empty: bool, chain: tuple[Path, ...]) -> dict[str, Any]:
     if not p.is_file():
-        raise FileNotFoundError(f"config file {p} not found")
+        raise FileNotFoundError(
+            f"config file {p} not found" + (f" (extended by {chain[-1]})" if chain else "")
+        )
     text = p.read_text(encoding="utf-8")
     if p.suffix in (".yaml", ".yml"):
         import yaml
@@ -42,11 +57,37 @@ def read_config_file(path: str | os.PathLike[str], allow_empty: bool = False) ->
         data = yaml.safe_load(text)
     else:
         data = json.loads(text)
-    if data is None and allow_empty:
+    if data is None and (allow_empty or chain):
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"{p}: a config must be a mapping of keys to values")
-    return data
+    if "extends" not in data:
+        return data
+    bases = data.pop("extends")
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not bases or not all(isinstance(b, str) and b for b in bases):
+        raise ValueError(f"{p}: extends must be a config file path or a list of them, got {bases!r}")
+    here = p.resolve()
+    if here in chain:
+        loop = " -> ".join(str(c) for c in (*chain, here))
+        raise ValueError(f"{p}: extends comes back to a file already in the chain ({loop}); remove one link")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        merged = merge_configs(merged, _read_config_file(p.parent / base, True, (*chain, here)))
+    return merge_configs(merged, data)
+
+
+def merge_configs(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top`` over it: sections (mappings) merge key by key, any other value of ``top``
+    (a list, a number, ``null``) replaces the base's. Neither argument is changed."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_configs(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def parse_value(text: str) -> Any:

@@ -192,3 +192,54 @@ def test_one_dtype_map_takes_every_spelling():
     assert torch_dtype("fp16") is torch_dtype("float16") is torch.float16
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         torch_dtype("int8")
+
+
+def test_extends_merges_sections_and_resolves_relative_paths(tmp_path):
+    from cepe.configio import merge_configs, read_config_file
+    from cepe.training.config import load_config
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "stage.yaml").write_text(
+        "stage: cepe\noutput_dir: runs/x\ndata: {synthetic: random}\nsteps: 40\ntasks: {lm: 0.5, recall: 0.5}\noptim: {lr: 5.0e-5, warmup_ratio: 0.05}\n"
+        "chunk_lengths: [64, 128]\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "extends: base/stage.yaml\nsteps: 10\noptim: {lr: 1.0e-4}\nchunk_lengths: [256]\n"
+    )
+    (tmp_path / "grandchild.yaml").write_text("extends: [child.yaml]\ntasks: {recall: 0.8}\n")
+    data = read_config_file(tmp_path / "grandchild.yaml")
+    assert data == {
+        "stage": "cepe",
+        "output_dir": "runs/x",
+        "data": {"synthetic": "random"},
+        "steps": 10,
+        "tasks": {"lm": 0.5, "recall": 0.8},
+        "optim": {"lr": 1.0e-4, "warmup_ratio": 0.05},
+        "chunk_lengths": [256],
+    }
+    cfg = load_config(tmp_path / "grandchild.yaml")
+    assert cfg.steps == 10 and cfg.optim.lr == 1e-4 and cfg.optim.warmup_ratio == 0.05
+    # the same config written out whole gives the same training config (and so the same fingerprint)
+    (tmp_path / "whole.json").write_text(json.dumps(data))
+    assert load_config(tmp_path / "whole.json") == cfg
+    base = {"a": {"b": 1}}
+    assert merge_configs(base, {"a": {"c": 2}, "d": None}) == {"a": {"b": 1, "c": 2}, "d": None}
+    assert base == {"a": {"b": 1}}
+
+
+def test_extends_errors_name_the_file(tmp_path):
+    from cepe.configio import read_config_file
+
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\nsteps: 1\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ValueError, match="comes back to a file already in the chain"):
+        read_config_file(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match=r"missing\.yaml not found \(extended by"):
+        read_config_file(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("extends: {x: 1}\n")
+    with pytest.raises(ValueError, match="extends must be a config file path"):
+        read_config_file(tmp_path / "d.yaml")
+    (tmp_path / "e.yaml").write_text("extends: []\n")
+    with pytest.raises(ValueError, match="extends must be a config file path"):
+        read_config_file(tmp_path / "e.yaml")
