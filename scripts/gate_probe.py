@@ -19,8 +19,8 @@ import argparse
 from collections import defaultdict
 
 import torch
-import yaml
 
+from cepe.configio import read_config_file
 from cepe.eval.common import chunk_tail_aligned, iter_source
 from cepe.eval.tasks.lm import sample_sequences
 from cepe.generation import load_model
@@ -29,7 +29,7 @@ from cepe.generation import load_model
 def windows(tok, config: str, total: int, window: int, chunk: int, per_domain: int):
     """``[(domain, decoder ids (1, W), encoder chunks (1, K, L), context ids)]`` as ``cepe eval lm`` takes
     them (same sampler, seed 0)."""
-    cfg = yaml.safe_load(open(config))
+    cfg = read_config_file(config)
     out = []
     for src in cfg["sources"]:
         docs = [tok(d["text"])["input_ids"] for d in iter_source(src)]

@@ -206,14 +206,12 @@ def test_shipped_configs_parse():
     import glob
     import importlib
 
-    import yaml
-
-    from cepe.configio import build
+    from cepe.configio import build, read_config_file
 
     files = sorted(glob.glob("configs/eval/*.yaml"))
     assert files
     for f in files:
-        data = yaml.safe_load(open(f))
+        data = read_config_file(f)
         data.pop("methods", None)
         task = f.split("/")[-1].split(".")[0].split("_")[0]  # lm_paper, fixedppl_long -> the task
         build(importlib.import_module(f"cepe.eval.tasks.{task}").Config, data, f)
