@@ -100,6 +100,7 @@ ROUTE = [
     ("fast_soup_dec512", 40),  # fast_soup_break_low with 512 decoder tokens
     ("soup_choice_dec512", 40),  # the average of soup_qa2_gates_break and fast_soup_dec512
     ("fast_soup_dec512_recall", 40),  # fast_soup_dec512 with recall at 0.45 of the examples
+    ("soup_choice_dec512x2", 40),  # the average of soup_qa2_gates_break and the two dec512 stages
 ]
 TOTALS = (2048, 4096, 8192)
 # the frozen decoder on configs/eval/lm_val.yaml at 1K (docs/TRAINING.md, "Too strong, not too eager")
