@@ -1,24 +1,34 @@
-"""The folded recipe route on one accelerator, under a deadline.
+"""The recipe route on one accelerator, under a deadline.
 
-Runs the route's stages with their configs unchanged (fast_warmup → fast_direct_copy → fast_direct_recall2
-→ fast_direct_8kd → fast_fold; each resumed if it has checkpoints, skipped if done), probes fast_fold's
-end with scripts/probe_stage.sh, then continues with fast_fold_long for as many steps as the time left
-allows (from fast_fold's measured seconds a step), probes that end too, and writes into OUT:
+Runs route stages with their configs unchanged (by default fast_warmup → fast_direct_copy →
+fast_direct_recall2 → fast_direct_8kd → fast_fold; ``--stages`` names others, in training order; each
+resumed if it has checkpoints, skipped if done; a stage starts from the adapter its config's
+``init_adapter`` names), probes the last stage's end with scripts/probe_stage.sh, then continues with
+fast_fold_long (when the last stage is fast_fold) for as many steps as the time left allows (from the last
+stage's measured seconds a step), probes that end too, and writes into OUT:
 
 - ``gpu_route.json``: the device, each stage's wall time, steps and last logged loss, the probes' seconds;
 - ``results.tar.gz``: the probes (results/recipe/NAME/stepNNN/), the stages' logs and status files;
 - ``NAME.int8.safetensors.partNN`` + ``NAME.cepe_config.json``: the last adapter in int8 storage (``cepe
-  export --quantize int8``), cut into pieces of at most 15 MiB (``cat`` them back in order); the other
-  adapter's pieces go to ``--keep`` when given.
+  export --quantize int8``), cut into pieces of at most 15 MiB (``--given NAME=DIR/NAME`` joins them back
+  into an adapter directory, or ``cat`` them in order); the other adapter's pieces go to ``--keep`` when
+  given.
 
-Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--keep DIR] [--smoke]
+``--given NAME=PATH`` stands a stage's end adapter in for training it (an adapter directory, or the
+prefix DIR/NAME of its export pieces, brought back by an earlier call): the stage counts as done and the
+stages that start from it start from PATH. ``--average NAME STAGE STAGE ...`` writes the equal-weight
+average of those stages' end adapters (``cepe.soup.average_adapters``) to runs/soup/NAME, probes it and
+exports it as the last adapter. ``--no-probe`` leaves the probes to the CPU (they need the evaluation
+corpora that ``bash scripts/setup.sh`` installs); ``--long none`` skips the continuation.
+
+Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--stages NAME ...] [--given NAME=PATH ...]
+       [--average NAME STAGE STAGE ...] [--long NAME|none] [--no-probe] [--keep DIR] [--smoke]
 
 ``--smoke`` runs the same stages on a tiny random 30-layer decoder with the default vocabulary (3 steps a
-stage, into runs/gpu_smoke/, no probes or export): a check that every stage of the route runs on a device, in a
-minute. The probes need the evaluation corpora that ``bash scripts/setup.sh`` installs (the needle's essays,
-the classification articles); where the first probe fails the others are skipped and the route's
-adapters still come back. Time left is read before each step; a stage still running at the deadline gets SIGTERM, which
-writes a checkpoint (``--resume`` continues it exactly).
+stage, into runs/gpu_smoke/, no probes or export; an average is still written): a check that every stage
+of the route runs on a device, in a minute or two. Where the first probe fails the others are skipped and
+the route's adapters still come back. Time left is read before each step; a stage still running at the
+deadline gets SIGTERM, which writes a checkpoint (``--resume`` continues it exactly).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,13 +52,7 @@ from cepe.training.runctl import read_status
 from cepe.training.trainer import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTE = [
-    ("fast_warmup", "warmup"),
-    ("fast_direct_copy", "cepe"),
-    ("fast_direct_recall2", "cepe"),
-    ("fast_direct_8kd", "cepe"),
-    ("fast_fold", "cepe"),
-]
+STAGES = ["fast_warmup", "fast_direct_copy", "fast_direct_recall2", "fast_direct_8kd", "fast_fold"]
 LONG = "fast_fold_long"
 TINY = {
     "vocab_size": 49152,
@@ -61,6 +67,9 @@ TINY = {
     "seed": 0,
 }
 PIECE = 15 * 2**20
+SMOKE_STEPS = 3
+# a stage's init_adapter when it starts from another stage's checkpoint
+_INIT = re.compile(r"^runs/recipe/([A-Za-z0-9_.-]+)/checkpoints/step_\d+/adapter/?$")
 
 
 def _cepe() -> list[str]:
@@ -72,9 +81,27 @@ def _cepe() -> list[str]:
     )
 
 
+def _config(name: str) -> dict:
+    path = ROOT / f"configs/train/recipe/{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"error: no such stage: {path.relative_to(ROOT)}")
+    return read_config_file(path)
+
+
 def _steps(name: str) -> int:
     """The ``steps`` of a route stage's config."""
-    return int(read_config_file(ROOT / f"configs/train/recipe/{name}.yaml")["steps"])
+    return int(_config(name)["steps"])
+
+
+def _kind(name: str) -> str:
+    """The ``stage`` (warmup, cepe, ...) of a route stage's config."""
+    return str(_config(name)["stage"])
+
+
+def _parent(name: str) -> str | None:
+    """The route stage whose checkpoint ``name`` starts from (its config's ``init_adapter``), if any."""
+    m = _INIT.match(str(_config(name).get("init_adapter") or ""))
+    return m.group(1) if m else None
 
 
 def _done(out: Path) -> bool:
@@ -89,6 +116,60 @@ def _last_step(out: Path) -> int | None:
 def _last_loss(out: Path) -> float | None:
     losses = [r["loss"] for r in read_log(out) if "loss" in r]
     return losses[-1] if losses else None
+
+
+def end_adapter(runs: Path, name: str, steps: int, given: dict[str, Path]) -> Path:
+    """Where stage ``name``'s end adapter is: the one given for it, else its checkpoint at ``steps``."""
+    return given[name] if name in given else runs / name / f"checkpoints/step_{steps:06d}/adapter"
+
+
+def check_starts(stages: list[str], given: dict[str, Path], end_of) -> None:
+    """Fail before any training when a stage starts from an adapter that this run neither trains nor has."""
+    trained: set[str] = set()
+    for name in stages:
+        parent = _parent(name)
+        if parent and parent not in trained and parent not in given and not end_of(parent).is_dir():
+            raise SystemExit(
+                f"error: stage {name} starts from {parent}'s end adapter ({end_of(parent)}), which is not "
+                f"there and which this run neither trains (--stages) nor is given (--given {parent}=PATH)"
+            )
+        trained.add(name)
+
+
+def join_pieces(prefix: Path, dest: Path) -> Path:
+    """The inverse of :func:`export_int8`: ``PREFIX.int8.safetensors.partNN`` in order plus
+    ``PREFIX.cepe_config.json`` make the adapter directory ``dest`` (returned)."""
+    pieces = sorted(prefix.parent.glob(f"{prefix.name}.int8.safetensors.part[0-9][0-9]"))
+    config = prefix.parent / f"{prefix.name}.cepe_config.json"
+    if not pieces or not config.is_file():
+        raise SystemExit(
+            f"error: {prefix} is neither an adapter directory nor the prefix of export pieces "
+            f"({prefix.name}.int8.safetensors.part00 ... and {prefix.name}.cepe_config.json)"
+        )
+    numbers = [int(p.name[-2:]) for p in pieces]
+    if numbers != list(range(len(pieces))):
+        raise SystemExit(f"error: pieces of {prefix} are missing: found parts {numbers}")
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / "adapter_model.safetensors.tmp"
+    with open(tmp, "wb") as fh:
+        for piece in pieces:
+            fh.write(piece.read_bytes())
+    os.replace(tmp, dest / "adapter_model.safetensors")
+    shutil.copy(config, dest / "cepe_config.json")
+    return dest
+
+
+def parse_given(items: list[str], joined: Path) -> dict[str, Path]:
+    """``NAME=PATH`` pairs: an adapter directory is used as it is, export pieces are joined first (into
+    ``joined``/NAME)."""
+    given: dict[str, Path] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --given takes NAME=PATH, got {item!r}")
+        p = Path(path)
+        given[name] = p if (p / "cepe_config.json").is_file() else join_pieces(p, joined / name)
+    return given
 
 
 def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: float, timeline: dict) -> bool:
@@ -138,13 +219,15 @@ def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: flo
     return done
 
 
-def probe(name: str, step: int, timeline: dict) -> None:
-    """``scripts/probe_stage.sh NAME STEP`` (ICL and QA: FULL=1 later, where time is cheaper)."""
+def probe(name: str, step: int, timeline: dict, adapter: Path | None = None) -> None:
+    """``scripts/probe_stage.sh NAME STEP`` (ICL and QA: FULL=1 later, where time is cheaper); ``adapter``
+    probes that directory under the name (an average)."""
     if any(p["rc"] for p in timeline["probes"]):  # the evaluation assets are missing: do not spend time again
         return
     t0 = time.time()
+    env = {**os.environ, "ADAPTER": str(adapter)} if adapter else None
     proc = subprocess.run(
-        ["bash", "scripts/probe_stage.sh", name, str(step)], cwd=ROOT, capture_output=True, text=True
+        ["bash", "scripts/probe_stage.sh", name, str(step)], cwd=ROOT, capture_output=True, text=True, env=env
     )
     print(proc.stdout[-3000:] + proc.stderr[-2000:], flush=True)
     timeline["probes"].append(
@@ -186,15 +269,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="where the timeline, results and int8 adapter go")
     ap.add_argument("--keep", type=Path, default=None, help="where the other adapter's int8 pieces go")
     ap.add_argument(
-        "--only", nargs="*", default=None, help="run only these stages of the route (smoke checks)"
+        "--stages", nargs="+", default=STAGES, metavar="NAME", help="route stages in training order"
     )
+    ap.add_argument(
+        "--given", nargs="+", default=[], metavar="NAME=PATH", help="a stage's end adapter, not trained here"
+    )
+    ap.add_argument(
+        "--average", nargs="+", default=None, metavar="NAME", help="NAME STAGE STAGE ...: average their ends"
+    )
+    ap.add_argument(
+        "--long", default=None, help=f"the continuation stage, or none (default {LONG} after fast_fold)"
+    )
+    ap.add_argument("--no-probe", action="store_true", help="no probes here (run them on the CPU)")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny random decoder, 3 steps a stage, no probes or export"
     )
     args = ap.parse_args(argv)
+    if args.average is not None and len(args.average) < 3:
+        raise SystemExit("error: --average takes a name and at least two stages")
     t0 = time.time()
     end = t0 + 60 * args.minutes
     args.out.mkdir(parents=True, exist_ok=True)
+    runs = ROOT / ("runs/gpu_smoke" if args.smoke else "runs/recipe")
+    base = ROOT / ("runs/gpu_smoke" if args.smoke else "runs")  # where averages and joined adapters go
+    given = parse_given(args.given, base / "given")
+    stages = [s for s in args.stages if s not in given]
+    long = (
+        args.long if args.long is not None else (LONG if stages and _parent(LONG) == stages[-1] else "none")
+    )
+    long = None if long == "none" or args.smoke else long
+
+    def steps_of(name: str) -> int:
+        return SMOKE_STEPS if args.smoke else _steps(name)
+
+    def end_of(name: str) -> Path:
+        return end_adapter(runs, name, steps_of(name), given)
+
+    check_starts(stages + ([long] if long else []), given, end_of)
+    for name in (args.average or [])[1:]:
+        if name not in stages and name not in given and not end_of(name).is_dir():
+            raise SystemExit(f"error: --average names {name}, which this run neither trains nor is given")
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -206,39 +320,39 @@ def main(argv: list[str] | None = None) -> int:
         "stages": [],
         "probes": [],
     }
-    runs = ROOT / ("runs/gpu_smoke" if args.smoke else "runs/recipe")
-    prev = None
-    reserve = 0 if args.smoke else 150  # seconds kept for the first probe and the export
+    probing = not (args.smoke or args.no_probe)
+    reserve = 0 if args.smoke else (150 if probing else 60)  # seconds kept for the first probe and the export
     ok = True
     done_last = None
-    for name, stage in [r for r in ROUTE if not args.only or r[0] in args.only]:
+    for name in stages:
         extra: list[str] = []
+        parent = _parent(name)
         if args.smoke:
             extra = [
                 "--steps",
-                "3",
+                str(SMOKE_STEPS),
                 "--save-every",
-                "3",
+                str(SMOKE_STEPS),
                 *[a for k, v in TINY.items() for a in ("--tiny-decoder", f"{k}={v}")],
             ]
             # the tiny decoder's byte tokenizer cannot spell the corpus' questions: no qa examples
-            extra += ["--set", "tasks={lm: 0.4, copy: 0.2, recall: 0.4}"] if stage == "cepe" else []
-            if prev:
-                extra += ["--init-adapter", str(runs / prev / "checkpoints/step_000003/adapter")]
-        if not run_stage(name, stage, runs, extra, end - reserve, timeline):
+            extra += ["--set", "tasks={lm: 0.4, copy: 0.2, recall: 0.4}"] if _kind(name) == "cepe" else []
+        if parent and (args.smoke or parent in given):
+            extra += ["--init-adapter", str(end_of(parent))]
+        if not run_stage(name, _kind(name), runs, extra, end - reserve, timeline):
             ok = False
             break
-        prev = name
-        done_last = (name, _steps(name))
-    fold_steps = _steps(ROUTE[-1][0])
-    last = None
-    if ok and not args.smoke:
-        probe(ROUTE[-1][0], fold_steps, timeline)
-        last = (ROUTE[-1][0], fold_steps)
-        fold_row = next((r for r in timeline["stages"] if r["name"] == ROUTE[-1][0] and "seconds" in r), None)
-        step_s = fold_row["seconds"] / fold_steps if fold_row else None
-        probe_s = timeline["probes"][-1]["seconds"]
-        if step_s:
+        done_last = (name, steps_of(name))
+    last: tuple[str, int] | None = None
+    adapter: Path | None = None  # the last adapter, where it is not its stage's own checkpoint
+    if ok and stages:
+        last = done_last
+        if probing:
+            probe(*last, timeline)
+        fold_row = next((r for r in timeline["stages"] if r["name"] == last[0] and "seconds" in r), None)
+        step_s = fold_row["seconds"] / last[1] if fold_row else None
+        probe_s = timeline["probes"][-1]["seconds"] if timeline["probes"] else 0.0
+        if long and step_s:
             left = end - time.time() - probe_s - 90
             steps = min(1000, int(left / step_s) // 10 * 10)
             timeline["long_plan"] = {"step_s": round(step_s, 2), "steps": steps}
@@ -251,28 +365,35 @@ def main(argv: list[str] | None = None) -> int:
                     "--keep-checkpoints",
                     "2",
                 ]
-                run_stage(LONG, "cepe", runs, long_extra, end - probe_s - 60, timeline)
-                step = _last_step(runs / LONG)
+                run_stage(long, _kind(long), runs, long_extra, end - probe_s - 60, timeline)
+                step = _last_step(runs / long)
                 if step:
                     if args.keep:
-                        timeline["kept"] = export_int8(
-                            runs / ROUTE[-1][0] / f"checkpoints/step_{fold_steps:06d}/adapter",
-                            args.keep,
-                            ROUTE[-1][0],
-                        )
-                    probe(LONG, step, timeline)
-                    last = (LONG, step)
-    if not ok and not args.smoke and done_last:  # a stage failed: probe and export the last one that ended
-        probe(*done_last, timeline)
+                        timeline["kept"] = export_int8(end_of(last[0]), args.keep, last[0])
+                    if probing:
+                        probe(long, step, timeline)
+                    last = (long, step)
+    if ok and args.average:
+        name, members = args.average[0], args.average[1:]
+        from cepe.soup import average_adapters
+
+        adapter = average_adapters([end_of(m) for m in members], base / "soup" / name)
+        timeline["average"] = {"name": name, "of": members, "adapter": str(adapter.relative_to(ROOT))}
+        last = (name, steps_of(members[-1]))
+        if probing:
+            probe(*last, timeline, adapter=adapter)
+    if not ok and done_last:  # a stage failed: probe and export the last one that ended
+        if probing:
+            probe(*done_last, timeline)
         last = done_last
-    if last:
-        timeline["exported"] = export_int8(
-            runs / last[0] / f"checkpoints/step_{last[1]:06d}/adapter", args.out, last[0]
-        )
+    if last and not args.smoke:
+        path = adapter or runs / last[0] / f"checkpoints/step_{last[1]:06d}/adapter"
+        timeline["exported"] = export_int8(path, args.out, last[0])
     timeline["seconds"] = round(time.time() - t0, 1)
     (args.out / "gpu_route.json").write_text(json.dumps(timeline, indent=2))
+    names = stages + ([long] if long else []) + ([args.average[0]] if args.average else [])
     with tarfile.open(args.out / "results.tar.gz", "w:gz") as tar:
-        for name in [n for n, _ in ROUTE] + [LONG]:
+        for name in names:
             for p in (
                 ROOT / "results/recipe" / name,
                 runs / f"{name}.log",

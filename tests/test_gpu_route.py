@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from conftest import load_script
 
 
@@ -74,3 +75,58 @@ def test_export_pieces_join_back_to_the_adapter_file(tmp_path, monkeypatch):
     assert joined == payload
     assert (tmp_path / "dest" / "a.cepe_config.json").exists()
     assert not (tmp_path / "dest" / ".a.export").exists()
+
+
+def test_a_stage_starts_from_the_stage_its_config_names():
+    mod = load_script("gpu_route")
+    assert mod._parent("fast_warmup") is None
+    assert mod._parent("fast_direct_copy") == "fast_warmup"
+    assert mod._parent("fast_fold_gates") == "fast_fold_qa2"
+    assert mod._parent("fast_fold_break_only") == "fast_fold_qa2"
+    assert mod._kind("fast_warmup") == "warmup" and mod._kind("fast_fold_gates") == "cepe"
+
+
+def test_a_start_that_is_neither_trained_nor_given_fails_before_training(tmp_path):
+    mod = load_script("gpu_route")
+
+    def end_of(name):
+        return tmp_path / name / "adapter"
+
+    with pytest.raises(SystemExit, match=r"--given fast_fold_qa2=PATH"):
+        mod.check_starts(["fast_fold_gates"], {}, end_of)
+    with pytest.raises(SystemExit, match=r"--given fast_fold_qa=PATH"):  # the first stage's own start
+        mod.check_starts(["fast_fold_qa2", "fast_fold_gates"], {}, end_of)
+    mod.check_starts(
+        ["fast_fold_qa2", "fast_fold_gates", "fast_fold_break_only"], {"fast_fold_qa": tmp_path}, end_of
+    )
+    mod.check_starts(["fast_fold_gates"], {"fast_fold_qa2": tmp_path / "given"}, end_of)
+    (tmp_path / "fast_fold_qa2" / "adapter").mkdir(parents=True)  # trained by an earlier run on this machine
+    mod.check_starts(["fast_fold_gates"], {}, end_of)
+
+
+def test_given_pieces_join_back_and_an_adapter_directory_is_used_as_it_is(tmp_path):
+    mod = load_script("gpu_route")
+    payload = bytes(range(256)) * 37
+    src = tmp_path / "back"
+    src.mkdir()
+    for i in range(3):
+        (src / f"qa2.int8.safetensors.part{i:02d}").write_bytes(payload[i * 4096 : (i + 1) * 4096])
+    (src / "qa2.cepe_config.json").write_text('{"k": 1}')
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "cepe_config.json").write_text("{}")
+    given = mod.parse_given(
+        [f"fast_fold_qa2={src / 'qa2'}", f"fast_fold_gates={adapter}"], tmp_path / "joined"
+    )
+    assert given["fast_fold_gates"] == adapter
+    joined = given["fast_fold_qa2"]
+    assert joined == tmp_path / "joined" / "fast_fold_qa2"
+    assert (joined / "adapter_model.safetensors").read_bytes() == payload
+    assert (joined / "cepe_config.json").read_text() == '{"k": 1}'
+    (src / "qa2.int8.safetensors.part01").unlink()
+    with pytest.raises(SystemExit, match=r"missing: found parts \[0, 2\]"):
+        mod.join_pieces(src / "qa2", tmp_path / "again")
+    with pytest.raises(SystemExit, match="neither an adapter directory nor the prefix"):
+        mod.parse_given([f"x={tmp_path / 'nothing'}"], tmp_path / "joined")
+    with pytest.raises(SystemExit, match="NAME=PATH"):
+        mod.parse_given(["fast_fold_qa2"], tmp_path / "joined")
