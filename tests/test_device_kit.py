@@ -1,0 +1,99 @@
+"""scripts/device_kit.py: the decoder's GGUF file packed in two parts joins back to the same bytes on the
+other side, one call at a time; a damaged piece is refused; ``slim`` takes the heavy folders out of what a
+device call sends and ``unslim`` puts the index back as it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from conftest import load_script
+
+
+def _gguf(tmp_path):
+    f = tmp_path / "src" / "Model.Q4_1.gguf"
+    f.parent.mkdir()
+    f.write_bytes(os.urandom(50_000) + b"\0" * 30_000)
+    return f
+
+
+def test_the_two_parts_join_back_to_the_file_one_call_at_a_time(tmp_path):
+    mod = load_script("device_kit")
+    gguf = _gguf(tmp_path)
+    kit, store = tmp_path / "kit", tmp_path / "store"
+    manifest = mod.pack(gguf, [], kit)
+    assert manifest["pieces"] == 2 and manifest["wheels"] == []
+    first = tmp_path / "call1"
+    (first / "a").mkdir(parents=True)
+    for f in (kit / "a").iterdir():
+        if f.is_file():
+            (first / "a" / f.name).write_bytes(f.read_bytes())
+    assert mod.install(first, store) is False  # the first call: stored, waiting for part b
+    assert not (store / "env.sh").exists()
+    second = tmp_path / "call2"
+    (second / "b").mkdir(parents=True)
+    for f in (kit / "b").iterdir():
+        (second / "b" / f.name).write_bytes(f.read_bytes())
+    assert mod.install(second, store) is True
+    joined = store / "site" / mod.PACKAGE / gguf.name
+    assert joined.read_bytes() == gguf.read_bytes()
+    assert (joined.parent / "__init__.py").is_file()
+    assert f"{store / 'site'}:" in (store / "env.sh").read_text()
+    assert mod.install(second, store) is True  # a later call finds it done
+
+
+def test_a_damaged_piece_is_refused_and_no_gguf_is_left(tmp_path):
+    mod = load_script("device_kit")
+    gguf = _gguf(tmp_path)
+    kit, store = tmp_path / "kit", tmp_path / "store"
+    mod.pack(gguf, [], kit)
+    piece = kit / "b" / "gguf.xz.01"
+    data = bytearray(piece.read_bytes())
+    data[-40] ^= 0xFF
+    piece.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="damaged"):
+        mod.install(kit, store)
+    assert not (store / "site" / mod.PACKAGE / gguf.name).exists()
+    with pytest.raises(SystemExit, match="no kit here"):
+        mod.install(tmp_path / "empty", tmp_path / "store2")
+
+
+def _repo(tmp_path):
+    root = tmp_path / "repo"
+    for d in ("adapters", "results", "cepe"):
+        (root / d).mkdir(parents=True)
+        (root / d / "f.txt").write_text(d)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run([*git, "add", "."], cwd=root, check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], cwd=root, check=True)
+    return root
+
+
+def _sent(root):  # what a device call sends: tracked plus untracked files git does not ignore
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    return sorted(out.stdout.split())
+
+
+def test_slim_leaves_code_only_and_unslim_restores_the_index(tmp_path):
+    mod = load_script("device_kit")
+    root = _repo(tmp_path)
+    assert _sent(root) == ["adapters/f.txt", "cepe/f.txt", "results/f.txt"]
+    mod.slim(root)
+    assert _sent(root) == ["cepe/f.txt"]
+    assert (root / "adapters" / "f.txt").is_file()  # the files stay on disk
+    mod.slim(root)  # twice is harmless
+    mod.unslim(root)
+    assert _sent(root) == ["adapters/f.txt", "cepe/f.txt", "results/f.txt"]
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+    assert status == ""
+    (root / "cepe" / "f.txt").write_text("changed")
+    subprocess.run(["git", "add", "cepe/f.txt"], cwd=root, check=True)
+    with pytest.raises(SystemExit, match="staged changes"):
+        mod.slim(root)
