@@ -21,6 +21,7 @@ adapter and ``results/``) is over the limit, so the kit works in three parts:
 
 Usage: python scripts/device_kit.py pack [--gguf FILE] [--wheel FILE ...]
        python scripts/device_kit.py slim | unslim
+       python scripts/device_kit.py join DIR/NAME ADAPTER_DIR   (an adapter that came back in pieces)
        python3 scripts/device_kit.py install
 """
 
@@ -184,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("slim", help="here: adapters/ and results/ out of what a device call sends")
     sub.add_parser("unslim", help="here: undo slim")
     sub.add_parser("install", help="there: store this call's part; set up once both are there")
+    j = sub.add_parser("join", help="here: export pieces that came back (DIR/NAME) into an adapter directory")
+    j.add_argument(
+        "prefix", type=Path, help="DIR/NAME of NAME.int8.safetensors.partNN and NAME.cepe_config.json"
+    )
+    j.add_argument("dest", type=Path, help="the adapter directory to write")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
         gguf = a.gguf
@@ -235,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"packed {m['gguf']} into .device_kit/a and .device_kit/b")
     elif a.cmd == "install":
         install()
+    elif a.cmd == "join":
+        from gpu_route import join_pieces  # scripts/ is on the path when this file is run
+
+        print(f"wrote the adapter {join_pieces(a.prefix, a.dest)}")
     elif a.cmd == "slim":
         slim()
     else:

@@ -97,3 +97,14 @@ def test_slim_leaves_code_only_and_unslim_restores_the_index(tmp_path):
     subprocess.run(["git", "add", "cepe/f.txt"], cwd=root, check=True)
     with pytest.raises(SystemExit, match="staged changes"):
         mod.slim(root)
+
+
+def test_join_makes_an_adapter_directory_of_pieces_that_came_back(tmp_path):
+    mod = load_script("device_kit")
+    payload = os.urandom(9000)
+    for i in range(3):
+        (tmp_path / f"soup.int8.safetensors.part{i:02d}").write_bytes(payload[i * 3000 : (i + 1) * 3000])
+    (tmp_path / "soup.cepe_config.json").write_text("{}")
+    assert mod.main(["join", str(tmp_path / "soup"), str(tmp_path / "adapter")]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == payload
+    assert (tmp_path / "adapter" / "cepe_config.json").is_file()
