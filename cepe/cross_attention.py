@@ -582,8 +582,13 @@ class CrossAttention(nn.Module):
             logit = run if logit is None else logit + run
         if logit is not None:
             if self.token_gate is not None:
-                logit = logit + self.token_gate(normed).float().transpose(1, 2)
-            out = out * (2 * torch.sigmoid(logit)).to(out.dtype)[..., None]
+                # summed in the token gate's own (B, T, H) order, so that with the other gates at zero the
+                # sigmoid sees the very tensor the token gate alone gives it: a vectorised sigmoid rounds
+                # differently by position (a row's tail, a transposed view) on some CPUs (AVX2)
+                logit = self.token_gate(normed).float() + logit.transpose(1, 2)  # (B, T, H)
+                out = out * (2 * torch.sigmoid(logit)).to(out.dtype).transpose(1, 2)[..., None]
+            else:
+                out = out * (2 * torch.sigmoid(logit)).to(out.dtype)[..., None]
         elif self.token_gate is not None:  # (B, T, H) -> (B, H, T, 1)
             out = out * (2 * torch.sigmoid(self.token_gate(normed))).to(out.dtype).transpose(1, 2)[..., None]
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
