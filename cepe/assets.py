@@ -77,7 +77,11 @@ def default_decoder_dir(convert: bool = True) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process converted it meanwhile (stages started together): keep theirs
+            if not (target / "config.json").exists():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -133,7 +133,7 @@ def install(kit: Path = KIT, store: Path = STORE) -> bool:
     if wheels:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
         subprocess.run([*cmd, *wheels], check=True)
-    env = f'export PYTHONPATH="{site}:{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONUNBUFFERED=1\n'
+    env = f'export PYTHONPATH="{site}:{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1\n'
     (store / "env.sh").write_text(env)
     print(f"kit: {manifest['gguf']} checked and installed; run `. {store / 'env.sh'}`")
     return True

@@ -18,11 +18,13 @@ stage's measured seconds a step), probes that end too, and writes into OUT:
 prefix DIR/NAME of its export pieces, brought back by an earlier call): the stage counts as done and the
 stages that start from it start from PATH. ``--average NAME STAGE STAGE ...`` writes the equal-weight
 average of those stages' end adapters (``cepe.soup.average_adapters``) to runs/soup/NAME, probes it and
-exports it as the last adapter. ``--no-probe`` leaves the probes to the CPU (they need the evaluation
+exports it as the last adapter. ``--parallel`` trains consecutive stages that start from
+the same stage at the same time (an accelerator the route's small batches leave mostly idle; on a CPU they
+would only share its cores). ``--no-probe`` leaves the probes to the CPU (they need the evaluation
 corpora that ``bash scripts/setup.sh`` installs); ``--long none`` skips the continuation.
 
 Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--stages NAME ...] [--given NAME=PATH ...]
-       [--average NAME STAGE STAGE ...] [--long NAME|none] [--no-probe] [--keep DIR] [--smoke]
+       [--average NAME STAGE STAGE ...] [--long NAME|none] [--parallel] [--no-probe] [--keep DIR] [--smoke]
 
 ``--smoke`` runs the same stages on a tiny random 30-layer decoder with the default vocabulary (3 steps a
 stage, into runs/gpu_smoke/, no probes or export; an average is still written): a check that every stage
@@ -174,49 +176,76 @@ def parse_given(items: list[str], joined: Path) -> dict[str, Path]:
 
 def run_stage(name: str, stage: str, runs: Path, extra: list[str], deadline: float, timeline: dict) -> bool:
     """Train (or resume) one stage until it is done or the deadline passes; True when it is done."""
-    out = runs / name
-    if _done(out):
-        timeline["stages"].append({"name": name, "skipped": "done already"})
-        return True
-    cmd = [
-        *_cepe(),
-        "train",
-        "--stage",
-        stage,
-        "--config",
-        f"configs/train/recipe/{name}.yaml",
-        "--output-dir",
-        str(out),
-        "--no-progress",
-        *extra,
-    ]
-    if (out / "checkpoints").is_dir():
-        cmd.append("--resume")
-    log = runs / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    print(f"[{t0 - timeline['t0']:6.0f} s] {name}: {' '.join(cmd[-6:])}", flush=True)
-    with open(log, "a") as fh:
+    return run_stages([(name, stage, extra)], runs, deadline, timeline)
+
+
+def run_stages(jobs: list[tuple[str, str, list[str]]], runs: Path, deadline: float, timeline: dict) -> bool:
+    """Train (or resume) ``(name, stage, extra args)`` stages at the same time, each until it is done or the
+    deadline passes (then SIGTERM: it checkpoints and exits); True when every one is done."""
+    running = []
+    for name, stage, extra in jobs:
+        out = runs / name
+        if _done(out):
+            timeline["stages"].append({"name": name, "skipped": "done already"})
+            continue
+        cmd = [
+            *_cepe(),
+            "train",
+            "--stage",
+            stage,
+            "--config",
+            f"configs/train/recipe/{name}.yaml",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            *extra,
+        ]
+        if (out / "checkpoints").is_dir():
+            cmd.append("--resume")
+        log = runs / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        print(f"[{t0 - timeline['t0']:6.0f} s] {name}: {' '.join(cmd[-6:])}", flush=True)
+        fh = open(log, "a")  # closed below, once the process has ended
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+        running.append((name, out, log, fh, proc, t0))
+    all_done = True
+    for name, out, log, fh, proc, t0 in running:
         try:
             rc = proc.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait()
-    done = _done(out)
-    row = {
-        "name": name,
-        "seconds": round(time.time() - t0, 1),
-        "rc": rc,
-        "done": done,
-        "last_checkpoint": _last_step(out),
-        "last_loss": _last_loss(out),
-    }
-    timeline["stages"].append(row)
-    print(f"[{time.time() - timeline['t0']:6.0f} s] {name}: {row}", flush=True)
-    if rc != 0:
-        print(log.read_text(errors="replace")[-3000:], flush=True)
-    return done
+        fh.close()
+        done = _done(out)
+        all_done = all_done and done
+        row = {
+            "name": name,
+            "seconds": round(time.time() - t0, 1),
+            "rc": rc,
+            "done": done,
+            "last_checkpoint": _last_step(out),
+            "last_loss": _last_loss(out),
+        }
+        timeline["stages"].append(row)
+        print(f"[{time.time() - timeline['t0']:6.0f} s] {name}: {row}", flush=True)
+        if rc != 0:
+            print(log.read_text(errors="replace")[-3000:], flush=True)
+    return all_done
+
+
+def sibling_groups(stages: list[str], parallel: bool) -> list[list[str]]:
+    """``stages`` in training order, cut into groups that may train at the same time: with ``parallel``,
+    consecutive stages that start from the same stage (trained before them); else one stage a group."""
+    groups: list[list[str]] = []
+    for name in stages:
+        parent = _parent(name)
+        if parallel and groups and parent is not None and parent not in groups[-1]:
+            if _parent(groups[-1][0]) == parent:
+                groups[-1].append(name)
+                continue
+        groups.append([name])
+    return groups
 
 
 def probe(name: str, step: int, timeline: dict, adapter: Path | None = None) -> None:
@@ -282,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-probe", action="store_true", help="no probes here (run them on the CPU)")
     ap.add_argument(
+        "--parallel", action="store_true", help="train consecutive stages with one parent at the same time"
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="tiny random decoder, 3 steps a stage, no probes or export"
     )
     args = ap.parse_args(argv)
@@ -324,25 +356,28 @@ def main(argv: list[str] | None = None) -> int:
     reserve = 0 if args.smoke else (150 if probing else 60)  # seconds kept for the first probe and the export
     ok = True
     done_last = None
-    for name in stages:
-        extra: list[str] = []
-        parent = _parent(name)
-        if args.smoke:
-            extra = [
-                "--steps",
-                str(SMOKE_STEPS),
-                "--save-every",
-                str(SMOKE_STEPS),
-                *[a for k, v in TINY.items() for a in ("--tiny-decoder", f"{k}={v}")],
-            ]
-            # the tiny decoder's byte tokenizer cannot spell the corpus' questions: no qa examples
-            extra += ["--set", "tasks={lm: 0.4, copy: 0.2, recall: 0.4}"] if _kind(name) == "cepe" else []
-        if parent and (args.smoke or parent in given):
-            extra += ["--init-adapter", str(end_of(parent))]
-        if not run_stage(name, _kind(name), runs, extra, end - reserve, timeline):
+    for group in sibling_groups(stages, args.parallel):
+        jobs = []
+        for name in group:
+            extra: list[str] = []
+            parent = _parent(name)
+            if args.smoke:
+                extra = [
+                    "--steps",
+                    str(SMOKE_STEPS),
+                    "--save-every",
+                    str(SMOKE_STEPS),
+                    *[a for k, v in TINY.items() for a in ("--tiny-decoder", f"{k}={v}")],
+                ]
+                # the tiny decoder's byte tokenizer cannot spell the corpus' questions: no qa examples
+                extra += ["--set", "tasks={lm: 0.4, copy: 0.2, recall: 0.4}"] if _kind(name) == "cepe" else []
+            if parent and (args.smoke or parent in given):
+                extra += ["--init-adapter", str(end_of(parent))]
+            jobs.append((name, _kind(name), extra))
+        if not run_stages(jobs, runs, end - reserve, timeline):
             ok = False
             break
-        done_last = (name, steps_of(name))
+        done_last = (group[-1], steps_of(group[-1]))
     last: tuple[str, int] | None = None
     adapter: Path | None = None  # the last adapter, where it is not its stage's own checkpoint
     if ok and stages:

@@ -130,3 +130,24 @@ def test_given_pieces_join_back_and_an_adapter_directory_is_used_as_it_is(tmp_pa
         mod.parse_given([f"x={tmp_path / 'nothing'}"], tmp_path / "joined")
     with pytest.raises(SystemExit, match="NAME=PATH"):
         mod.parse_given(["fast_fold_qa2"], tmp_path / "joined")
+
+
+def test_siblings_train_together_only_when_asked():
+    mod = load_script("gpu_route")
+    route = ["fast_fold_qa2", "fast_fold_gates", "fast_fold_break_only"]
+    assert mod.sibling_groups(route, False) == [[s] for s in route]
+    assert mod.sibling_groups(route, True) == [["fast_fold_qa2"], ["fast_fold_gates", "fast_fold_break_only"]]
+    chain = ["fast_warmup", "fast_direct_copy", "fast_direct_recall2"]
+    assert mod.sibling_groups(chain, True) == [[s] for s in chain]  # each starts from the one before
+
+
+def test_stages_of_one_group_run_at_the_same_time(tmp_path, monkeypatch):
+    mod = load_script("gpu_route")
+    # a stand-in trainer: 2 s of work, then "done" in its output directory (the argument after --output-dir)
+    script = 'out=$(echo "$@" | sed "s/.*--output-dir \\([^ ]*\\).*/\\1/"); sleep 2; mkdir -p $out; echo "{\\"state\\": \\"done\\"}" > $out/status.json'
+    monkeypatch.setattr(mod, "_cepe", lambda: ["bash", "-c", script, "stand-in"])
+    tl = _timeline()
+    t0 = time.time()
+    assert mod.run_stages([("a", "cepe", []), ("b", "cepe", [])], tmp_path, time.time() + 60, tl)
+    assert time.time() - t0 < 3.5  # together, not one after the other (4 s)
+    assert [r["name"] for r in tl["stages"]] == ["a", "b"] and all(r["done"] for r in tl["stages"])
