@@ -117,6 +117,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "recall_foreign",
         "recall_drop",
         "recall_detour",
+        "recall_anywhere",
         "copy_drop",
         "qa_templates",
         "qa_inline",
@@ -453,6 +454,47 @@ def test_copy_drop_shortens_the_context_and_copies_from_what_is_kept(tmp_path):
         _mixed(tmp_path, copy_drop=1.5)
     assert plain.fingerprint() != cfg.fingerprint()
     assert plain.fingerprint() == _mixed(tmp_path, **kinds, copy_drop=0.0).fingerprint()
+
+
+def test_recall_anywhere_puts_cue_and_span_at_any_decoder_position(tmp_path):
+    """``recall_anywhere`` 1: a recall example's cue and span sit at a decoder position drawn uniformly,
+    the window's own text before and after them; the cue and the first token after the span are not
+    scored, the span is, and its attention targets point at its encoder copy. Other kinds and the encoder
+    are those of a run without it."""
+    from cepe.data.sequences import split_for_cepe
+    from cepe.training.data import example_task
+
+    plain = _mixed(tmp_path)
+    cfg = _mixed(tmp_path, recall_anywhere=1.0)
+    src = window_source(cfg, 128)
+    cue, ats, inner = cfg.recall_cue, set(), 0
+    for i in range(60):
+        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
+        assert torch.equal(a["encoder_input_ids"], b["encoder_input_ids"])
+        if example_task(cfg, i) != "recall":
+            assert all(torch.equal(a[k], b[k]) for k in a)
+            continue
+        _, own = split_for_cepe(src[i], cfg.n_decoder, cfg.chunk_length, cfg.n_chunks)
+        flat, dec, lab, al = b["encoder_input_ids"].flatten(), b["input_ids"], b["labels"], b["align_targets"]
+        n = dec.numel()
+        copied = (al != -1).nonzero().flatten()
+        at, end = int(copied[0]), int(copied[-1]) + 2  # the cue's first position, one past the span
+        start = int(al[at]) - 1
+        total = end - at
+        assert total == int((a["align_targets"] != -1).sum()) + 1  # the same cue and span as at the end
+        assert torch.equal(dec[at:end], flat[start : start + total])
+        assert al[at : end - 1].tolist() == list(range(start + 1, start + total))
+        assert torch.equal(dec[:at], own[:at]) and torch.equal(dec[end:], own[end:])
+        assert (lab[at : at + cue] == -100).all() and torch.equal(lab[at + cue : end], dec[at + cue : end])
+        if end < n:
+            inner += 1
+            assert lab[end] == -100 and torch.equal(lab[end + 1 :], dec[end + 1 :])
+        ats.add(at)
+    assert len(ats) > 5 and inner > 5
+    with pytest.raises(ValueError, match="recall_anywhere"):
+        _mixed(tmp_path, recall_anywhere=1.5)
+    assert plain.fingerprint() != cfg.fingerprint()
+    assert plain.fingerprint() == _mixed(tmp_path, recall_anywhere=0.0).fingerprint()
 
 
 def test_recall_detour_puts_own_tokens_between_cue_and_span(tmp_path):

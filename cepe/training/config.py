@@ -197,6 +197,10 @@ class TrainConfig:
             one drawn uniformly at or before the cue's (the cue stays): recall at every context length.
         recall_detour: mixed stage: the probability that a recall example puts 1-3 of the decoder's own
             earlier tokens (unscored) between the cue and the span, which goes on where the cue ended.
+        recall_anywhere: mixed stage: the probability that a recall example puts its cue and span at a
+            decoder position drawn uniformly instead of at the decoder's end; the window's own text goes on
+            after the span (the first token after it unscored): recall at every decoder position, as a
+            question in a window of any length asks for it.
         qa_templates: mixed stage: how many of the fact templates of :mod:`cepe.training.synthetic_qa`
             qa examples draw from (1-12; the first 6 are those the first qa run used).
         qa_inline: mixed stage: the fraction of qa examples whose facts are planted inside the running text,
@@ -320,6 +324,7 @@ class TrainConfig:
     recall_foreign: float = 0.0
     recall_drop: float = 0.0
     recall_detour: float = 0.0
+    recall_anywhere: float = 0.0
     qa_templates: int = 6
     qa_inline: float = 0.0
     qa_span: float = 0.0
@@ -559,6 +564,10 @@ class TrainConfig:
         _check(0.0 <= self.recall_drop <= 1.0, f"recall_drop must be in [0, 1], got {self.recall_drop}")
         _check(0.0 <= self.copy_drop <= 1.0, f"copy_drop must be in [0, 1], got {self.copy_drop}")
         _check(0.0 <= self.recall_detour <= 1.0, f"recall_detour must be in [0, 1], got {self.recall_detour}")
+        _check(
+            0.0 <= self.recall_anywhere <= 1.0,
+            f"recall_anywhere must be in [0, 1], got {self.recall_anywhere}",
+        )
         _check(1 <= self.qa_templates <= 12, f"qa_templates must be in 1..12, got {self.qa_templates}")
         _check(0.0 <= self.qa_inline <= 1.0, f"qa_inline must be in [0, 1], got {self.qa_inline}")
         _check(0.0 <= self.qa_span <= 1.0, f"qa_span must be in [0, 1], got {self.qa_span}")
@@ -660,6 +669,7 @@ class TrainConfig:
             "recall_foreign",
             "recall_drop",
             "recall_detour",
+            "recall_anywhere",
             "copy_drop",
         ):
             if not d.get(key):

@@ -19,7 +19,7 @@ from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
 _DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG, _DETOUR_TAG = 31, 37, 41, 43, 47, 53
-_COPY_DROP_TAG = 59
+_COPY_DROP_TAG, _ANYWHERE_TAG = 59, 61
 FOREIGN_OFFSET = 10_000_019
 """A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
@@ -265,6 +265,9 @@ def mixed_example(
       With ``recall_detour`` that share of recall examples puts 1-3 of the decoder's own earlier tokens
       (unscored) between the cue and its span, which then goes on where the cue ended: recall that
       survives a detour, as an answer that restates a question and adds a word of its own must.
+      With ``recall_anywhere`` that share of recall examples puts cue and span at a decoder position
+      drawn uniformly, not at the end; the window's own text goes on after the span, its first token
+      unscored (the seam).
     - ``qa``: facts planted in the encoder's text, a question about one at the end of the decoder, the
       answer scored (:mod:`cepe.training.synthetic_qa`).
     - ``icl``: in-context classification, demonstrations one per chunk in the encoder and more in the
@@ -365,6 +368,11 @@ def mixed_example(
         total = cue + span
         start = int(torch.randint(0, m - total + 1, (1,), generator=g))
         at = n - total
+        if cfg.recall_anywhere:  # its own stream, as recall_foreign's
+            ga = example_generator(seed, _ANYWHERE_TAG, index)
+            if float(torch.rand((), generator=ga)) < cfg.recall_anywhere:
+                at = int(torch.randint(0, n - total + 1, (1,), generator=ga))
+        end = at + total  # n unless recall_anywhere moved it
         if cfg.recall_foreign:  # its own stream: the other draws stay those of a run without it
             gf = example_generator(seed, _FOREIGN_TAG, index)
             if float(torch.rand((), generator=gf)) < cfg.recall_foreign:
@@ -381,21 +389,23 @@ def mixed_example(
             )
         flat = enc.reshape(-1)
         dec = dec.clone()
-        dec[at:] = flat[start : start + total]
+        dec[at:end] = flat[start : start + total]
         labels = dec.clone()
         labels[at : at + cue] = -100
-        align[at : n - 1] = torch.arange(start + 1, start + total)
+        align[at : end - 1] = torch.arange(start + 1, start + total)
         gd = example_generator(seed, _DETOUR_TAG, index) if cfg.recall_detour else None
         if gd is not None and float(torch.rand((), generator=gd)) < cfg.recall_detour and span > 1:
             d = min(int(torch.randint(1, 4, (1,), generator=gd)), span - 1, at)
             if d > 0:  # d of the decoder's own earlier tokens between cue and span, then the span goes on
                 own = int(torch.randint(0, at - d + 1, (1,), generator=gd))
                 dec[at + cue : at + cue + d] = dec[own : own + d].clone()
-                dec[at + cue + d :] = flat[start + cue : start + total - d]
+                dec[at + cue + d : end] = flat[start + cue : start + total - d]
                 labels = dec.clone()
                 labels[at : at + cue + d] = -100
-                align[at + cue - 1 : n - 1] = -1
-                align[at + cue + d - 1 : n - 1] = torch.arange(start + cue, start + total - d)
+                align[at + cue - 1 : end - 1] = -1
+                align[at + cue + d - 1 : end - 1] = torch.arange(start + cue, start + total - d)
+        if end < n:  # the seam back to the window's own text is not a target
+            labels[end] = -100
     out = {
         "input_ids": dec,
         "labels": labels,
