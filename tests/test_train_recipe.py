@@ -131,6 +131,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "icl_align",
         "context_drop",
         "chunk_lengths",
+        "decoder_lengths",
         "online_teacher",
         "teacher_tasks",
         "teacher_context",
@@ -1121,6 +1122,67 @@ def test_chunk_lengths_regroup_the_encoder_per_micro_batch(tmp_path):
     same = read_log(train(_mixed(tmp_path, steps=3, chunk_lengths=[8], output_dir=str(tmp_path / "same"))))
     assert [r["loss"] for r in same] == [r["loss"] for r in plain]
     mixed = _mixed(tmp_path, steps=4, save_every=2, chunk_lengths=[4, 16], output_dir=str(tmp_path / "cut"))
+    log = read_log(train(mixed))
+    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
+    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
+
+
+def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_path):
+    """decoder_lengths: a micro-batch's examples are built at a decoder length drawn per micro-batch
+    (seeded by the step: exact resume) from the window's last K·L + n tokens, so encoder and decoder stay
+    contiguous and recall ends at the shorter decoder's end; a list holding only n_decoder changes nothing."""
+    from cepe.training.data import at_decoder_length, step_decoder_length
+    from cepe.training.speed import step_flops
+
+    cfg = _mixed(tmp_path, tasks={"lm": 1, "recall": 1}, chunk_noise=0.0, decoder_lengths=[20, 32])
+    src = window_source(cfg, 128)
+    kl = cfg.n_chunks * cfg.chunk_length
+    for i in range(12):
+        c, w = at_decoder_length(cfg, src[i], 20)
+        assert c.n_decoder == 20 and c.decoder_lengths is None and w.shape == (kl + 20,)
+        ex = build_example(c, w, i, None)
+        assert ex["input_ids"].shape == (20,) and ex["encoder_input_ids"].shape == (
+            cfg.n_chunks,
+            cfg.chunk_length,
+        )
+        window = torch.as_tensor(src[i])
+        assert torch.equal(
+            ex["encoder_input_ids"].flatten(), window[-(kl + 20) : -20]
+        )  # contiguous with the decoder
+        if int(ex["task"]) == 0:  # lm: the window's last 20 tokens
+            assert torch.equal(ex["input_ids"], window[-20:])
+        else:  # recall: the span ends at the decoder's end, its targets in the encoder
+            al = ex["align_targets"]
+            assert al[-2] >= 0 and al[-1] == -1
+            assert ex["input_ids"][-1] == ex["encoder_input_ids"].flatten()[al[-2]]
+    w0 = src[0]
+    for n in (32, None):  # the full length: config and window as they are
+        c, w = at_decoder_length(cfg, w0, n)
+        assert c is cfg and w is w0
+    drawn = [step_decoder_length(cfg, s, m) for s in range(20) for m in range(2)]
+    assert set(drawn) == {20, 32} and drawn == [
+        step_decoder_length(cfg, s, m) for s in range(20) for m in range(2)
+    ]
+    assert step_decoder_length(_mixed(tmp_path), 0, 0) is None
+    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+    assert step_flops(cfg, build_model(cfg))["decoder_tokens"] == cfg.batch_size * 26  # the mean length
+    for over, msg in (
+        ({"decoder_lengths": [20, 40]}, "from 1 to n_decoder = 32"),
+        ({"decoder_lengths": []}, "non-empty"),
+        ({"decoder_lengths": [8]}, "with 8 decoder tokens, recall_cue"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            _mixed(tmp_path, **over)
+
+    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
+    same = read_log(train(_mixed(tmp_path, steps=3, decoder_lengths=[32], output_dir=str(tmp_path / "same"))))
+    assert [r["loss"] for r in same] == [r["loss"] for r in plain]
+    mixed = _mixed(
+        tmp_path, steps=4, save_every=2, decoder_lengths=[20, 32], output_dir=str(tmp_path / "cut")
+    )
     log = read_log(train(mixed))
     assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
     import shutil

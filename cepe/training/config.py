@@ -178,6 +178,11 @@ class TrainConfig:
             length drawn (seeded by step and micro-batch) from this list, each a divisor of K·L; the same
             tokens, masks and flat attention targets, cut differently, so that an adapter trained with L
             also reads the chunk lengths evaluations use (256 in the paper). None = always L.
+        decoder_lengths: CEPE stage: per micro-batch, a decoder length drawn (seeded by step and micro-batch)
+            from this list, each at most ``n_decoder``; the example is built from the window's last
+            K·L + n tokens, so encoder and decoder stay contiguous and the answers of recall and qa
+            examples come at the positions of a window of that length: one stage trains the positions
+            of several decoder windows. None = always ``n_decoder``.
         context_drop: CEPE stage: the probability that a continuation example (``lm``) keeps only its last
             ``k ~ U(1, K)`` encoder chunks, so that short contexts are trained as well as the full K·L.
         tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d, "icl": e}``,
@@ -316,6 +321,7 @@ class TrainConfig:
     chunk_noise_whole: float = 0.1
     context_drop: float = 0.0
     chunk_lengths: list[int] | None = None
+    decoder_lengths: list[int] | None = None
     tasks: dict[str, float] | None = None
     copy_shuffle: float = 0.0
     copy_drop: float = 0.0
@@ -431,6 +437,8 @@ class TrainConfig:
                 and all(int(c) > 0 and total % int(c) == 0 for c in self.chunk_lengths),
                 f"chunk_lengths must be divisors of n_chunks × chunk_length = {total}, got {self.chunk_lengths}",
             )
+        if self.decoder_lengths is not None:
+            self._validate_decoder_lengths()
         if self.warmup_decoder_tokens is not None:
             _check(
                 1 < self.warmup_decoder_tokens <= self.warmup_tokens,
@@ -592,6 +600,30 @@ class TrainConfig:
             f"({room} tokens); shorten them",
         )
 
+    def _validate_decoder_lengths(self) -> None:
+        lengths = self.decoder_lengths
+        _check(
+            self.stage == "cepe",
+            f"decoder_lengths varies the decoder of the cepe stage, not {self.stage}; remove it",
+        )
+        _check(
+            isinstance(lengths, list)
+            and len(lengths) > 0
+            and all(isinstance(n, int) and 1 <= n <= self.n_decoder for n in lengths),
+            f"decoder_lengths must be a non-empty list of integers from 1 to n_decoder = {self.n_decoder}, "
+            f"got {lengths!r}",
+        )
+        for n in sorted(set(lengths)):
+            if n != self.n_decoder:
+                try:
+                    self.at_decoder_length(n)
+                except ValueError as e:
+                    raise ValueError(f"decoder_lengths: with {n} decoder tokens, {e}") from None
+
+    def at_decoder_length(self, n: int) -> TrainConfig:
+        """This config with ``n`` decoder tokens (one of ``decoder_lengths``): the layout of its examples."""
+        return dataclasses.replace(self, n_decoder=n, decoder_lengths=None)
+
     # ------------------------------------------------------------------ derived sizes
     @property
     def window_length(self) -> int:
@@ -666,6 +698,7 @@ class TrainConfig:
             "context_drop",
             "icl_scored",
             "chunk_lengths",
+            "decoder_lengths",
             "recall_foreign",
             "recall_drop",
             "recall_detour",

@@ -19,7 +19,7 @@ from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
 _DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG, _DETOUR_TAG = 31, 37, 41, 43, 47, 53
-_COPY_DROP_TAG, _ANYWHERE_TAG = 59, 61
+_COPY_DROP_TAG, _ANYWHERE_TAG, _DECODER_LENGTH_TAG = 59, 61, 67
 FOREIGN_OFFSET = 10_000_019
 """A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
@@ -438,6 +438,24 @@ def step_chunk_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
         return None
     g = example_generator(cfg.data.seed, _REGROUP_TAG, step * 1_000_003 + micro)
     return int(cfg.chunk_lengths[int(torch.randint(len(cfg.chunk_lengths), (1,), generator=g))])
+
+
+def step_decoder_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
+    """The decoder length of micro-batch ``micro`` of optimizer step ``step`` (``cfg.decoder_lengths``,
+    seeded by both, so a resumed run builds what the uninterrupted one did); None without it."""
+    if not cfg.decoder_lengths:
+        return None
+    g = example_generator(cfg.data.seed, _DECODER_LENGTH_TAG, step * 1_000_003 + micro)
+    return int(cfg.decoder_lengths[int(torch.randint(len(cfg.decoder_lengths), (1,), generator=g))])
+
+
+def at_decoder_length(cfg: TrainConfig, window: Any, n: int | None) -> tuple[TrainConfig, Any]:
+    """``(config, window)`` of an example with ``n`` decoder tokens (``decoder_lengths``): the config's
+    layout at ``n`` and the window's last K·L + n tokens (``(T,)`` → ``(K·L + n,)``), so that encoder and
+    decoder stay contiguous. ``n`` None or ``cfg.n_decoder``: both as they are."""
+    if n is None or n == cfg.n_decoder:
+        return cfg, window
+    return cfg.at_decoder_length(n), torch.as_tensor(window)[-(cfg.n_chunks * cfg.chunk_length + n) :]
 
 
 def regroup_chunks(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:

@@ -32,12 +32,14 @@ from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkp
 from .config import TrainConfig
 from .data import (
     FOREIGN_OFFSET,
+    at_decoder_length,
     build_example,
     collate,
     example_indices,
     needs_foreign,
     regroup_chunks,
     step_chunk_length,
+    step_decoder_length,
     window_source,
 )
 from .models import StageModule, build_model, save_encoder, set_train_mode, trainable_parameters
@@ -287,7 +289,7 @@ class _Run:
     start: int = 0
     flops: dict[str, Any] = field(default_factory=dict)
     peak: float | None = None
-    make: Callable[[int], dict[str, torch.Tensor]] | None = None
+    make: Callable[..., dict[str, torch.Tensor]] | None = None
     recent: list[tuple[float, float]] = field(default_factory=list)  # (loss, seconds) of the last steps
     t_start: float = 0.0
     paused_s: float = 0.0
@@ -532,7 +534,7 @@ def _measure_peak(run: _Run, use_bf16: bool) -> float | None:
     return run.agree(peak_box)[0]
 
 
-def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[[int], dict[str, torch.Tensor]]:
+def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[..., dict[str, torch.Tensor]]:
     """Global example index → the stage's example (with the teacher's top-k for CEPED)."""
     vocab = int(inner.config.vocab_size) if cfg.stage != "mlm" else int(inner.encoder.config.vocab_size) - 1
     source = window_source(cfg, vocab)
@@ -549,9 +551,11 @@ def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[[int], dict[s
                 f"reads {need} (steps × batch_size); rerun `cepe teacher` with this config"
             )
 
-    def make(i: int) -> dict[str, torch.Tensor]:
+    def make(i: int, n_decoder: int | None = None) -> dict[str, torch.Tensor]:
+        """Example ``i``; with ``n_decoder`` (``decoder_lengths``), at that decoder length."""
         foreign = source[i + FOREIGN_OFFSET] if needs_foreign(cfg, i) else None
-        ex = build_example(cfg, source[i], i, mask_id, foreign=foreign)
+        c, window = at_decoder_length(cfg, source[i], n_decoder)
+        ex = build_example(c, window, i, mask_id, foreign=foreign)
         if teacher is not None:
             ex["teacher_probs"], ex["teacher_indices"] = teacher.get(i)
         return ex
@@ -654,7 +658,8 @@ def _step(run: _Run, step: int) -> _StepResult:
     tokens = 0
     for micro in range(run.accum):
         idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, run.rank, run.world)
-        batch = {k: v.to(acc.device) for k, v in collate([run.make(i) for i in idx]).items()}
+        n_decoder = step_decoder_length(cfg, step, micro)
+        batch = {k: v.to(acc.device) for k, v in collate([run.make(i, n_decoder) for i in idx]).items()}
         batch.pop("index")
         length = step_chunk_length(cfg, step, micro)
         if length is not None:
