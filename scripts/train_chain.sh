@@ -27,7 +27,7 @@ run_chain() {
     fi
     local resume=(); [ -d "$out/checkpoints" ] && resume=(--resume)
     echo "$(date -u +%FT%TZ) $name: ${resume[*]:-start}"
-    cepe train --stage "$(grep -m1 '^stage:' "$cfg" | cut -d' ' -f2)" --config "$cfg" --output-dir "$out" \
+    cepe train --config "$cfg" --output-dir "$out" \
       --no-progress ${BF16:+--set "bf16=$BF16"} "${resume[@]}" >> "$out.log" 2>&1 || { echo "$(date -u +%FT%TZ) $name: failed, see $out.log"; exit 1; }
     if ! grep -q '"state": "done"' "$out/status.json"; then  # stopped (SIGTERM) before its last step
       echo "$(date -u +%FT%TZ) $name: stopped before its end; the chain stops (run it again to resume)"; exit 0

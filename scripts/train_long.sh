@@ -11,8 +11,7 @@ OUT=runs/recipe/$(basename "$CFG" .yaml)
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
 mkdir -p "$(dirname "$OUT")"
 resume=(); [ -d "$OUT/checkpoints" ] && resume=(--resume)
-STAGE=$(grep -m1 "^stage:" "$CFG" | cut -d" " -f2)
-nohup cepe train --stage "$STAGE" --config "$CFG" --output-dir "$OUT" --no-progress "${resume[@]}" \
+nohup cepe train --config "$CFG" --output-dir "$OUT" --no-progress "${resume[@]}" \
   >> "$OUT.log" 2>&1 &
 echo $! > "$OUT.pid"
 echo "started $OUT (pid $(cat "$OUT.pid")), log $OUT.log"

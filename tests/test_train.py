@@ -378,3 +378,23 @@ def test_gradient_checkpointing_same_losses(tmp_path):
         )
     )
     assert _losses(plain) == pytest.approx(_losses(ckpt), rel=1e-4)
+
+
+def test_cepe_train_takes_the_stage_from_the_config_file(tmp_path):
+    """``cepe train --config FILE`` without ``--stage`` runs the file's ``stage`` (through ``extends:``);
+    ``--stage`` still wins; a file without one, or with a stage ``cepe train`` does not run, is refused."""
+    from cepe.training.cli import train_stage
+
+    (tmp_path / "base.yaml").write_text("stage: warmup\nsteps: 3\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nsteps: 4\n")
+    (tmp_path / "none.yaml").write_text("steps: 4\n")
+    (tmp_path / "mlm.yaml").write_text("stage: mlm\n")
+    assert train_stage(None, str(tmp_path / "child.yaml")) == "warmup"
+    assert train_stage("cepe", str(tmp_path / "child.yaml")) == "cepe"
+    assert train_stage(None, str(ROOT / "configs/train/recipe/fast_soup_dec_mixed.yaml")) == "cepe"
+    with pytest.raises(ValueError, match="needs --stage, or --config FILE with a `stage:` key"):
+        train_stage(None, str(tmp_path / "none.yaml"))
+    with pytest.raises(ValueError, match="needs --stage"):
+        train_stage(None, None)
+    with pytest.raises(ValueError, match="says stage: 'mlm'"):
+        train_stage(None, str(tmp_path / "mlm.yaml"))

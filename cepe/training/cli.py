@@ -60,9 +60,25 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.status is not None:
         return show_status(args.status)
-    if args.stage is None:
-        raise ValueError("cepe train needs --stage (and --config FILE or flags), or --status")
-    return _run_train(args, args.stage)
+    return _run_train(args, train_stage(args.stage, args.config))
+
+
+def train_stage(stage: str | None, config: str | None) -> str:
+    """The stage ``cepe train`` runs: ``--stage``, else the config file's ``stage`` (through ``extends:``)."""
+    if stage is not None:
+        return stage
+    if config is not None:
+        from cepe.configio import read_config_file
+
+        found = read_config_file(config).get("stage")
+        if found in STAGE_CHOICES:
+            return str(found)
+        if found is not None:
+            raise ValueError(f"{config} says stage: {found!r}; cepe train runs {', '.join(STAGE_CHOICES)}")
+    raise ValueError(
+        "cepe train needs --stage, or --config FILE with a `stage:` key (or --status); e.g. "
+        "cepe train --config configs/train/recipe/fast_warmup.yaml"
+    )
 
 
 def _teacher(args: argparse.Namespace) -> int:
@@ -135,7 +151,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train the encoder and cross-attention of a frozen decoder. Stages in order: warmup "
         "(copy), cepe, ceped (needs `cepe teacher` first). The output directory is a cepe adapter.",
     )
-    p.add_argument("--stage", choices=STAGE_CHOICES, help="the stage to train (required unless --status)")
+    p.add_argument(
+        "--stage",
+        choices=STAGE_CHOICES,
+        help="the stage to train (default: the config file's `stage`; required without one, unless --status)",
+    )
     _common(p)
     _run_options(p)
     p.add_argument(
