@@ -398,3 +398,18 @@ def test_cepe_train_takes_the_stage_from_the_config_file(tmp_path):
         train_stage(None, None)
     with pytest.raises(ValueError, match="says stage: 'mlm'"):
         train_stage(None, str(tmp_path / "mlm.yaml"))
+
+
+def test_recipe_configs_keep_the_fingerprints_of_their_runs():
+    """Each recipe config trains what its recorded run trained (tests/recipe_fingerprints.json): most
+    configs extend another, so an edit to one can change others; this says which. A new config gets its
+    line; a changed one is a new stage (a new name), since its results and checkpoints are the old one's."""
+    recorded = json.loads((ROOT / "tests" / "recipe_fingerprints.json").read_text())
+    configs = sorted((ROOT / "configs" / "train" / "recipe").glob("*.yaml"))
+    missing = [p.stem for p in configs if p.stem not in recorded]
+    assert not missing, f"record these new configs in tests/recipe_fingerprints.json: {missing}"
+    changed = [p.stem for p in configs if load_config(p).fingerprint() != recorded[p.stem]]
+    assert not changed, f"these configs no longer train what their runs trained: {changed}"
+    assert sorted(recorded) == [p.stem for p in configs], (
+        "tests/recipe_fingerprints.json names a config that is gone"
+    )
