@@ -457,24 +457,31 @@ def test_copy_drop_shortens_the_context_and_copies_from_what_is_kept(tmp_path):
     assert plain.fingerprint() == _mixed(tmp_path, **kinds, copy_drop=0.0).fingerprint()
 
 
+def _recall_pairs(plain, cfg, src, count: int = 60):
+    """``(i, a, b)`` for the recall examples among the first ``count``: ``a`` built with ``plain``, ``b``
+    with ``cfg`` (a recall option on); every other kind, and every encoder, is checked to be the same."""
+    from cepe.training.data import example_task
+
+    for i in range(count):
+        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
+        assert torch.equal(a["encoder_input_ids"], b["encoder_input_ids"])
+        if example_task(cfg, i) != "recall":
+            assert all(torch.equal(a[k], b[k]) for k in a)
+            continue
+        yield i, a, b
+
+
 def test_recall_anywhere_puts_cue_and_span_at_any_decoder_position(tmp_path):
     """``recall_anywhere`` 1: a recall example's cue and span sit at a decoder position drawn uniformly,
     the window's own text before and after them; the cue and the first token after the span are not
     scored, the span is, and its attention targets point at its encoder copy. Other kinds and the encoder
     are those of a run without it."""
     from cepe.data.sequences import split_for_cepe
-    from cepe.training.data import example_task
 
-    plain = _mixed(tmp_path)
-    cfg = _mixed(tmp_path, recall_anywhere=1.0)
+    plain, cfg = _mixed(tmp_path), _mixed(tmp_path, recall_anywhere=1.0)
     src = window_source(cfg, 128)
     cue, ats, inner = cfg.recall_cue, set(), 0
-    for i in range(60):
-        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
-        assert torch.equal(a["encoder_input_ids"], b["encoder_input_ids"])
-        if example_task(cfg, i) != "recall":
-            assert all(torch.equal(a[k], b[k]) for k in a)
-            continue
+    for i, a, b in _recall_pairs(plain, cfg, src):
         _, own = split_for_cepe(src[i], cfg.n_decoder, cfg.chunk_length, cfg.n_chunks)
         flat, dec, lab, al = b["encoder_input_ids"].flatten(), b["input_ids"], b["labels"], b["align_targets"]
         n = dec.numel()
@@ -503,18 +510,10 @@ def test_recall_detour_puts_own_tokens_between_cue_and_span(tmp_path):
     earlier text, then by the span from where the cue ended in the encoder (its end cut so the decoder
     keeps its length); attention targets point each span token's predictor at its encoder copy. Other
     kinds and the encoder are those of a run without it."""
-    from cepe.training.data import example_task
-
-    plain = _mixed(tmp_path)
-    cfg = _mixed(tmp_path, recall_detour=1.0)
+    plain, cfg = _mixed(tmp_path), _mixed(tmp_path, recall_detour=1.0)
     src = window_source(cfg, 128)
     detours = set()
-    for i in range(60):
-        a, b = build_example(plain, src[i], i, None), build_example(cfg, src[i], i, None)
-        assert torch.equal(a["encoder_input_ids"], b["encoder_input_ids"])
-        if example_task(cfg, i) != "recall":
-            assert all(torch.equal(a[k], b[k]) for k in a)
-            continue
+    for _, a, b in _recall_pairs(plain, cfg, src):
         flat, dec, lab, al = b["encoder_input_ids"].flatten(), b["input_ids"], b["labels"], b["align_targets"]
         at = int((a["labels"] == -100).nonzero()[0])
         start = int(a["align_targets"][at]) - 1
