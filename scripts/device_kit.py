@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("dest", type=Path, help="the adapter directory to write")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
+        if not (ROOT / "runs/data/mini/summary.json").is_file():  # call b carries it
+            raise SystemExit(
+                "error: no prepared training data at runs/data/mini (the second call carries it): make it with "
+                "`cepe prepare-data --corpora austen acl stdlib --seed 1 --test-fraction 0.1 "
+                "--retrieval-fraction 0.05 --out runs/data/mini` (as scripts/train_chain.sh does)"
+            )
         gguf = a.gguf
         if gguf is None:
             from cepe.assets import default_decoder_gguf
