@@ -44,8 +44,6 @@ HEAVY = ("adapters", "results")  # tracked folders a device call does not need
 MARK = "# device_kit slim (unslim removes this line and the two below)"
 MANIFEST = "manifest.json"
 WHEELS = ("transformers==5.24.0", "gguf==0.19.0")  # what the device image lacks or holds in another release
-
-
 LIMIT_MIB = 64  # what one device call sends at most
 
 
@@ -108,7 +106,10 @@ def install(kit: Path = KIT, store: Path = STORE) -> bool:
     pieces = [store / f"gguf.xz.{i:02d}" for i in range(manifest["pieces"])]
     missing = [p.name for p in pieces if not p.is_file()]
     if missing:
-        print(f"kit: stored; waiting for {', '.join(missing)} (the next call carries it)")
+        print(
+            f"kit: stored; {', '.join(missing)} still missing: carry the part that holds it in the next call, "
+            "on this machine before it goes back (a fresh machine starts without the stored part)"
+        )
         return False
     site = store / "site"
     target = site / PACKAGE / manifest["gguf"]
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         print(f"packed {m['gguf']} into .device_kit/a and .device_kit/b")
     elif a.cmd == "install":
-        install()
+        return 0 if install() else 3  # 3: a part still to come (a `&&` after it waits for the next call)
     elif a.cmd == "join":
         from gpu_route import join_pieces  # scripts/ is on the path when this file is run
 
