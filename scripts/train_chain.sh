@@ -17,6 +17,11 @@ for name in "$@"; do
 done
 . .venv/bin/activate
 mkdir -p runs/recipe
+if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; then
+  echo "a chain is running already (pid $(cat runs/recipe/chain.pid), log runs/recipe/chain.log): two would train" \
+    "the same stages at once; wait for it, or stop it first (kill $(cat runs/recipe/chain.pid) and its stage)" >&2
+  exit 2
+fi
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
 run_chain() {
