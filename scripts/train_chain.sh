@@ -32,9 +32,15 @@ run_chain() {
     fi
     local resume=(); [ -d "$out/checkpoints" ] && resume=(--resume)
     echo "$(date -u +%FT%TZ) $name: ${resume[*]:-start}"
+    local rc=0
     cepe train --config "$cfg" --output-dir "$out" \
-      --no-progress ${BF16:+--set "bf16=$BF16"} "${resume[@]}" >> "$out.log" 2>&1 || { echo "$(date -u +%FT%TZ) $name: failed, see $out.log"; exit 1; }
-    if ! grep -q '"state": "done"' "$out/status.json"; then  # stopped (SIGTERM) before its last step
+      --no-progress ${BF16:+--set "bf16=$BF16"} "${resume[@]}" >> "$out.log" 2>&1 || rc=$?
+    if [ "$rc" -gt 128 ]; then  # cepe train exits 128 + the signal after checkpointing (SIGTERM, SIGINT)
+      echo "$(date -u +%FT%TZ) $name: stopped by signal $((rc - 128)) before its end; the chain stops (run it again to resume)"
+      exit 0
+    fi
+    [ "$rc" = 0 ] || { echo "$(date -u +%FT%TZ) $name: failed (exit $rc), see $out.log"; exit 1; }
+    if ! grep -q '"state": "done"' "$out/status.json"; then  # ended at its stop_step, before its last step
       echo "$(date -u +%FT%TZ) $name: stopped before its end; the chain stops (run it again to resume)"; exit 0
     fi
     echo "$(date -u +%FT%TZ) $name: ended"
