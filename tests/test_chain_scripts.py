@@ -46,27 +46,39 @@ def test_the_rebuild_is_not_started_twice(tmp_path):
     assert not (root / "runs/recipe/rebuild.log").exists()
 
 
-def _run_chain_with_exit(tmp_path: Path, code: int) -> str:
-    """Run a two-stage chain whose ``cepe train`` exits with ``code``; return the chain's log."""
+def _wait(pidfile: Path, seconds: float = 60.0) -> None:
+    pid = int(pidfile.read_text())
+    for _ in range(int(seconds / 0.05)):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{pidfile} still running after {seconds} s")
+
+
+def _with_stand_in_cepe(tmp_path: Path, code: int) -> Path:
+    """A scratch tree whose ``cepe`` (on the PATH the environment's activation sets) exits with ``code``,
+    with every recipe config and a prepared-data marker, so the chains start their stages at once."""
     root = _tree(tmp_path)
-    shutil.copy(ROOT / "configs/train/recipe/fast_direct_copy.yaml", root / "configs/train/recipe/")
+    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
     (root / "runs/data/mini").mkdir(parents=True)
     (root / "runs/data/mini/summary.json").write_text("{}")
     fake = root / "fakebin/cepe"
     fake.parent.mkdir()
-    fake.write_text(f'#!/usr/bin/env bash\necho "cepe $*"\nexit {code}\n')
+    fake.write_text(f"#!/usr/bin/env bash\nexit {code}\n")
     fake.chmod(0o755)
     (root / ".venv/bin/activate").write_text(f'export PATH="{fake.parent}:$PATH"\n')
+    return root
+
+
+def _run_chain_with_exit(tmp_path: Path, code: int) -> str:
+    """Run a two-stage chain whose ``cepe train`` exits with ``code``; return the chain's log."""
+    root = _with_stand_in_cepe(tmp_path, code)
     subprocess.run(
         ["bash", "scripts/train_chain.sh", "fast_warmup", "fast_direct_copy"], cwd=root, check=True
     )
-    pid = int((root / "runs/recipe/chain.pid").read_text())
-    for _ in range(600):  # the chain runs in the background: wait for it
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
+    _wait(root / "runs/recipe/chain.pid")  # the chain runs in the background
     return (root / "runs/recipe/chain.log").read_text()
 
 
@@ -80,3 +92,34 @@ def test_a_failing_stage_is_reported_with_its_exit_code(tmp_path):
     log = _run_chain_with_exit(tmp_path, 1)
     assert "fast_warmup: failed (exit 1), see runs/recipe/fast_warmup.log" in log
     assert "fast_direct_copy" not in log
+
+
+def test_the_frozen_rebuild_chains_the_frozen_encoder_stages(tmp_path):
+    """``rebuild_choice.sh frozen`` starts the route with every stage after the copy in its ``_fe`` form
+    (each config must exist, or the chain refuses it), and stops cleanly when a stage is stopped."""
+    root = _with_stand_in_cepe(tmp_path, 128 + 15)
+    proc = subprocess.run(
+        ["bash", "scripts/rebuild_choice.sh", "frozen"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/rebuild.pid")
+    log = (root / "runs/recipe/rebuild.log").read_text()
+    stages = (
+        "fast_warmup fast_direct_copy fast_direct_recall2_fe fast_direct_8kd_fe fast_fold_fe fast_fold_qa_fe "
+        "fast_fold_qa2_fe fast_fold_gates_fe fast_fold_break_only_fe"
+    )
+    assert f"started the chain {stages} (pid" in log
+    assert "fast_fold_qa2_fe is not done: the chain stopped" in log
+    assert "fast_warmup: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
+
+
+def test_the_rebuild_refuses_an_unknown_route(tmp_path):
+    root = _tree(tmp_path)
+    proc = subprocess.run(
+        ["bash", "scripts/rebuild_choice.sh", "fe"], cwd=root, capture_output=True, text=True
+    )
+    assert (
+        proc.returncode == 2
+        and "usage: bash scripts/rebuild_choice.sh [choice|frozen] (got 'fe')" in proc.stderr
+    )
+    assert not (root / "runs/recipe/rebuild.log").exists()
