@@ -42,7 +42,7 @@ def time_call(
     return min(times), [x.grad.float() for x in inputs]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="encoder keys S")
     ap.add_argument("--batch", type=int, default=16, help="examples B")
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for s in args.keys:
@@ -99,6 +99,7 @@ def main() -> None:
             "\n".join(pipe_table(list(rows[0]), [list(r.values()) for r in rows])) + "\n"
         )
         print(f"wrote {args.out}.json and .md")
+    return rows
 
 
 if __name__ == "__main__":
