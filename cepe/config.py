@@ -159,6 +159,13 @@ class CepeConfig:
             read position from call to call, beam search included; ``absorbed`` projects keys as
             ``states`` does, and every query's scores are computed once more (an argmax is not a fused
             attention's output) (beyond the released code).
+        run_bias: a per-head bias β_h added to each query's score on ``j⁺``, the key after the one the
+            head's previous query attended to most (the same read position the induction gate uses, from
+            the unbiased scores): a copy under way is continued where the current token alone matches many
+            keys (a common word in a long context). Zero-initialised (exactly the adapter without it);
+            ``β_h < 0`` steers away from continuing. The fused path corrects the kernel's output in closed
+            form (``CrossAttention.attend_run``); generation and beam search carry the read position as
+            for the induction gate (beyond the released code).
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
@@ -188,6 +195,7 @@ class CepeConfig:
     short_gate: bool = False
     long_gate: bool = False
     induction_gate: bool = False
+    run_bias: bool = False
     context_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -45,7 +45,7 @@ class CrossContext:
         match_memo: per layer, the match statistics of its last call under autograd with the query and
             ``k_proj`` version they came from: gradient checkpointing runs each layer again in backward
             with the same query, and the statistics (no gradient) are then reused, not recomputed.
-        read_state: per layer, where each head read last (``CepeConfig.induction_gate``): the key its last
+        read_state: per layer, where each head read last (``CepeConfig.induction_gate``, ``run_bias``): the key its last
             query attended to most ``(B, H)`` and the number of decoder tokens seen by then, so that the
             next incremental call (generation) continues the run; kept only without autograd.
         read_memo: :attr:`match_memo` for the induction statistic.
@@ -282,6 +282,37 @@ def next_keys(key_mask: torch.Tensor | None, b: int, s: int, device: torch.devic
     return torch.where(nxt < s, nxt, torch.full_like(nxt, -1))
 
 
+def successor_keys(
+    best: torch.Tensor, prev: torch.Tensor | None, key_mask: torch.Tensor | None, s: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each query's previous query read, and the real key after it.
+
+    Args:
+        best: ``(B, H, T)`` long, the key each query attended to most (``j*_t``).
+        prev: ``(B, H)`` long, the previous call's last ``j*`` (generation), or None.
+        key_mask: ``(B, S)`` bool or None; s: S.
+
+    Returns:
+        ``(before, succ)``, both ``(B, H, T)`` long: ``j*_{t-1}`` (-1 where there is no previous token) and
+        ``j⁺``, the real key after it (-1 where there is no previous token or it read the last real key).
+    """
+    b, h, t = best.shape
+    before = best.new_full((b, h, 1), -1) if prev is None else prev[..., None]
+    before = torch.cat([before, best[..., :-1]], dim=-1)  # (B, H, T): where the previous query read
+    nxt = next_keys(key_mask, b, s, best.device)  # (B, S)
+    succ = nxt.gather(1, before.clamp_min(0).reshape(b, -1)).view(b, h, t)
+    return before, torch.where(before >= 0, succ, torch.full_like(succ, -1))
+
+
+def gather_keys(x: torch.Tensor, idx: torch.Tensor, groups: int) -> torch.Tensor:
+    """``x`` ``(B, KV, S, d)`` at the keys ``idx`` ``(B, H, T)`` (clamped at 0) of each query head, whose KV
+    head is ``h // groups``: ``(B, H, T, d)``."""
+    b, h, _ = idx.shape
+    rows = torch.arange(b, device=x.device)[:, None, None]
+    kv_head = (torch.arange(h, device=x.device) // groups)[None, :, None]
+    return x[rows, kv_head, idx.clamp_min(0)]
+
+
 def _induction_feature(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -295,16 +326,10 @@ def _induction_feature(
     ``(B, H, T)``) and the previous call's last ``best`` ``prev`` ``(B, H)`` (None: no previous token)."""
     b, h, t, hd = q.shape
     s = k.shape[2]
-    groups = h // k.shape[1]
     n = torch.full((b,), s, device=q.device) if key_mask is None else key_mask.sum(-1)
     log_n = n.clamp_min(1).float().log()[:, None, None]  # (B, 1, 1)
-    before = best.new_full((b, h, 1), -1) if prev is None else prev[..., None]
-    before = torch.cat([before, best[..., :-1]], dim=-1)  # (B, H, T): where the previous query read
-    nxt = next_keys(key_mask, b, s, q.device)  # (B, S)
-    succ = nxt.gather(1, before.clamp_min(0).reshape(b, -1)).view(b, h, t)
-    succ = torch.where(before >= 0, succ, torch.full_like(succ, -1))
-    kv_head = torch.arange(h, device=q.device) // groups  # (H,)
-    ks = k.float()[torch.arange(b, device=q.device)[:, None, None], kv_head[None, :, None], succ.clamp_min(0)]
+    before, succ = successor_keys(best, prev, key_mask, s)
+    ks = gather_keys(k.float(), succ, h // k.shape[1])  # (B, H, T, hd)
     score = scale * (q.float() * ks).sum(-1)  # (B, H, T): the query's score on the successor
     feat = ((score - lse + log_n) / log_n.clamp_min(math.log(2.0))).clamp(-1.0, 1.0)
     feat = torch.where(succ >= 0, feat, torch.full_like(feat, -1.0))  # read the last key: nothing follows
@@ -336,12 +361,7 @@ def induction_stats_ref(
     Returns:
         ``(ι̂ (B, H, T) fp32, j*_{T-1} (B, H) long)``.
     """
-    groups = q.shape[1] // k.shape[1]
-    scores = torch.matmul(q.float(), k.float().repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    best = scores.argmax(-1)  # (B, H, T)
+    best, lse = best_keys_ref(q, k, key_mask, scale)
     return _induction_feature(q, k, key_mask, scale, lse, best, prev), best[..., -1]
 
 
@@ -355,11 +375,36 @@ def induction_stats(
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`induction_stats_ref` with the scores in the inputs' dtype, grouped by KV head (no repeated
-    keys) and computed for a chunk of queries at a time (at most :data:`READ_CHUNK` scores held).
+    keys) and computed for a chunk of queries at a time (:func:`best_keys`).
 
     ``lse``: each query's logsumexp ``(B, H, T)`` over the real keys where the caller has it already (the
     match statistics' ``m + log n``): only the argmax is then taken from the scores, the costly fp32
     logsumexp pass is skipped."""
+    best, own = best_keys(q, k, key_mask, scale, need_lse=lse is None)
+    lse_t = own if lse is None else lse.float()
+    return _induction_feature(q, k, key_mask, scale, lse_t, best, prev), best[..., -1]
+
+
+@torch.no_grad()
+def best_keys_ref(
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's most-attended real key ``j*`` ``(B, H, T)`` long and its logsumexp ``(B, H, T)`` fp32
+    over the real keys, from fp32 scores (the reference)."""
+    groups = q.shape[1] // k.shape[1]
+    scores = torch.matmul(q.float(), k.float().repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return scores.argmax(-1), torch.logsumexp(scores, dim=-1)
+
+
+@torch.no_grad()
+def best_keys(
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float, need_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`best_keys_ref` with the scores in the keys' dtype, grouped by KV head (no repeated keys), a
+    chunk of queries at a time (at most :data:`READ_CHUNK` scores held); the logsumexp only if
+    ``need_lse`` (else None)."""
     b, h, t, hd = q.shape
     kvh, s = k.shape[1], k.shape[2]
     g = h // kvh
@@ -375,11 +420,67 @@ def induction_stats(
         if masked is not None:
             sc.masked_fill_(masked, float("-inf"))
         best.append(sc.argmax(-1).view(b, h, tc))
-        if lse is None:
+        if need_lse:
             sums.append(torch.logsumexp(sc.float(), dim=-1).view(b, h, tc))
-    best_t = torch.cat(best, dim=-1)
-    lse_t = torch.cat(sums, dim=-1) if lse is None else lse.float()
-    return _induction_feature(q, k, key_mask, scale, lse_t, best_t, prev), best_t[..., -1]
+    return torch.cat(best, dim=-1), torch.cat(sums, dim=-1) if need_lse else None
+
+
+class KeysLogsumexp(torch.autograd.Function):
+    """Each query's logsumexp over the keys ``k`` (those ``key_mask`` allows), ``(B, H, T)`` fp32, with its
+    exact gradient, never holding more than :data:`READ_CHUNK` scores: forward and backward recompute
+    them a chunk of queries at a time, the products in the keys' dtype (bf16 under autocast, as the
+    fused kernel's), exponentials and sums in fp32: ``∂lse_t/∂q_t = scale·Σ_j p_tj k_j``,
+    ``∂lse_t/∂k_j = scale·p_tj q_t``.
+
+    ``apply(q (B, H, T, hd), k (B, KV, S, hd), key_mask (B, S) bool or None, scale)``."""
+
+    @staticmethod
+    def _chunks(q, k, key_mask, scale):
+        b, h, t, hd = q.shape
+        kvh, s = k.shape[1], k.shape[2]
+        g = h // kvh
+        qg = q.to(k.dtype).reshape(b, kvh, g, t, hd)
+        step = max(1, READ_CHUNK // max(1, b * h * s))
+        masked = None if key_mask is None else ~key_mask[:, None, None, :]
+        for t0 in range(0, t, step):
+            qc = qg[:, :, :, t0 : t0 + step]
+            tc = qc.shape[3]
+            qc = qc.reshape(b, kvh, g * tc, hd)
+            sc = torch.matmul(qc, k.transpose(-1, -2)).float().mul_(scale)  # (B, KV, G·Tc, S)
+            if masked is not None:
+                sc.masked_fill_(masked, float("-inf"))
+            yield t0, tc, qc, sc
+
+    @staticmethod
+    def forward(ctx, q, k, key_mask, scale):
+        b, h = q.shape[:2]
+        parts = [
+            torch.logsumexp(sc, dim=-1).view(b, h, tc)
+            for _, tc, _, sc in KeysLogsumexp._chunks(q, k, key_mask, scale)
+        ]
+        lse = torch.cat(parts, dim=-1)
+        ctx.save_for_backward(q, k, key_mask, lse)
+        ctx.scale = scale
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, key_mask, lse = ctx.saved_tensors
+        b, h, t, hd = q.shape
+        kvh = k.shape[1]
+        g = h // kvh
+        grad_g = grad.float().reshape(b, kvh, g, t)
+        lse_g = lse.reshape(b, kvh, g, t)
+        dq = torch.empty(b, kvh, g, t, hd, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        for t0, tc, qc, sc in KeysLogsumexp._chunks(q, k, key_mask, ctx.scale):
+            w = grad_g[:, :, :, t0 : t0 + tc].reshape(b, kvh, g * tc, 1)
+            p = torch.exp(sc - lse_g[:, :, :, t0 : t0 + tc].reshape(b, kvh, g * tc, 1))  # (B, KV, G·Tc, S)
+            p.mul_(w * ctx.scale)
+            p = p.to(k.dtype)
+            dq[:, :, :, t0 : t0 + tc] = torch.matmul(p, k).view(b, kvh, g, tc, hd)
+            dk += torch.matmul(p.transpose(-1, -2), qc)
+        return dq.view(b, h, t, hd).to(q.dtype), dk.to(k.dtype), None, None
 
 
 def zero_linear(d_in: int, d_out: int, like: torch.Tensor) -> nn.Linear:
@@ -419,6 +520,7 @@ class CrossAttention(nn.Module):
         short_gate: bool = False,
         long_gate: bool = False,
         induction_gate: bool = False,
+        run_bias: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -484,6 +586,10 @@ class CrossAttention(nn.Module):
         # other gates' (or gives 2·σ(w_h·ι̂) alone); zero at init, exactly 1.
         self.induction_gate = nn.Parameter(torch.zeros(num_heads)) if induction_gate else None
         self.induction_record: list[torch.Tensor] | None = None  # (B, H, T) features, for probes
+        # A per-head bias β_h on the score of the key after the one the head's previous query attended to
+        # most (``CepeConfig.run_bias``): a copy in progress is continued where the current token alone
+        # matches many keys; zero at init, exactly the layer without it.
+        self.run_bias = nn.Parameter(torch.zeros(num_heads)) if run_bias else None
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -513,13 +619,14 @@ class CrossAttention(nn.Module):
         if self.length_exp is not None:
             q = self.length_scaled(q, ctx)
         key_mask = ctx.key_mask
-        match = induction = None
+        match = induction = succ = None
         if (
             ctx.mode == "absorbed"
             and self.k_norm is None
             and self.null_key is None
             and self.match_gate is None
             and self.induction_gate is None
+            and self.run_bias is None
         ):
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:
@@ -544,14 +651,17 @@ class CrossAttention(nn.Module):
                 ctx.align.losses.append(align_nll(q, k[:, :, int(nulled) :], key_mask, self.scale, ctx.align))
             if self.match_gate is not None:  # over the real keys too
                 match = self.match_stats(q, k[:, :, int(nulled) :], key_mask, ctx)
-            if self.induction_gate is not None:  # (B, H, T)
-                induction = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past, match)
+            if self.induction_gate is not None or self.run_bias is not None:  # (B, H, T) each
+                induction, succ = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past, match)
             if nulled:  # the cache holds it already; the mask gains its column
                 if key_mask is not None:
                     key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], 1), key_mask], dim=1)
             elif self.null_key is not None:
                 k, v, key_mask = self.with_null_key(k, v, key_mask)
-            out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
+            if self.run_bias is None:
+                out = ATTENTION_KERNELS[ctx.impl](q, k, v, key_mask, self.scale)  # (B, H, T, hd)
+            else:  # real keys start after the null key, where there is one
+                out = self.attend_run(q, k, v, key_mask, succ, int(self.null_key is not None), ctx.impl)
         if self.gate is not None:
             out = out * torch.tanh(self.gate).to(out.dtype)[None, :, None, None]
         logit = None  # (B, H, T) fp32
@@ -682,10 +792,12 @@ class CrossAttention(nn.Module):
         ctx: CrossContext,
         past: int,
         match: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``ι̂`` ``(B, H, T)`` (:func:`induction_stats_ref`) of the queries ``q`` against the real keys ``k``
-        (no gradient). An incremental call (``past`` > 0) continues from where this layer's heads read at
-        the end of the previous call, when that call ended at ``past``; without autograd the end of this
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where the heads read (no gradient): ``ι̂`` ``(B, H, T)`` (:func:`induction_stats_ref`; None without
+        induction gates) and ``j⁺`` ``(B, H, T)`` long, the real key after the one each head's previous query
+        attended to most (:func:`successor_keys`; None without ``run_bias``), of the queries ``q`` against
+        the real keys ``k``. An incremental call (``past`` > 0) continues from where this layer's heads read
+        at the end of the previous call, when that call ended at ``past``; without autograd the end of this
         call is kept for the next (``CrossContext.read_state``). ``match``: the match statistics of the
         same queries, whose ``m + log n`` is the logsumexp the statistic needs (unclamped below
         :data:`MATCH_LOGIT_BOUND`)."""
@@ -693,23 +805,65 @@ class CrossAttention(nn.Module):
         state = ctx.read_state.get(self.layer_idx)
         if past > 0 and state is not None and state[1] == past and state[0].shape[0] == q.shape[0]:
             prev = state[0]
-        if ctx.impl == "eager":
-            stats = induction_stats_ref
-        else:
-            lse = None
-            if match is not None:
-                n = k.shape[2] if key_mask is None else key_mask.sum(-1)
-                log_n = torch.as_tensor(n, device=q.device).clamp_min(1).float().log().reshape(-1, 1, 1)
-                lse = match[..., 0] + log_n
+        want_feat = self.induction_gate is not None
 
-            def stats(*args):
-                return induction_stats(*args, lse=lse)
+        @torch.no_grad()
+        def compute() -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+            if ctx.impl == "eager":
+                best, lse = best_keys_ref(q, k, key_mask, self.scale)
+            else:
+                lse = None
+                if match is not None:
+                    n = k.shape[2] if key_mask is None else key_mask.sum(-1)
+                    log_n = torch.as_tensor(n, device=q.device).clamp_min(1).float().log().reshape(-1, 1, 1)
+                    lse = match[..., 0] + log_n
+                best, own = best_keys(q, k, key_mask, self.scale, need_lse=want_feat and lse is None)
+                lse = own if lse is None else lse.float()
+            feat = _induction_feature(q, k, key_mask, self.scale, lse, best, prev) if want_feat else None
+            succ = None if self.run_bias is None else successor_keys(best, prev, key_mask, k.shape[2])[1]
+            return feat, succ, best[..., -1]
 
         if not torch.is_grad_enabled():
-            feat, last = stats(q, k, key_mask, self.scale, prev)
+            feat, succ, last = compute()
             ctx.read_state[self.layer_idx] = (last, past + q.shape[2])
-            return feat
-        return self._once_per_query(ctx.read_memo, q, lambda: stats(q, k, key_mask, self.scale, prev)[0])
+            return feat, succ
+        return self._once_per_query(ctx.read_memo, q, lambda: compute()[:2])
+
+    def attend_run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        succ: torch.Tensor,
+        offset: int,
+        impl: str,
+    ) -> torch.Tensor:
+        """Attention with ``run_bias[h]`` added to each query's score on its key ``j⁺`` (``succ`` ``(B, H, T)``,
+        an index into the real keys, which start at ``offset`` of ``k``; -1: no bias): ``(B, H, T, hd)``.
+
+        The reference (``impl`` ``"eager"``) adds the bias to the full score matrix. The fast path runs the
+        fused kernel unchanged and corrects its output in closed form: with ``p⁺`` the kernel's attention
+        on ``j⁺`` and ``r = (e^β − 1)·p⁺``, the biased attention is ``(out + r·v⁺) / (1 + r)``; ``p⁺`` comes
+        from the score on ``j⁺`` and the logsumexp over every key (:class:`KeysLogsumexp`, exact
+        gradients), so no ``(B, H, T, S)`` tensor is kept for backward."""
+        idx = torch.where(succ >= 0, succ + offset, succ)  # (B, H, T) into k's keys
+        beta = self.run_bias.float()[None, :, None]  # (1, H, 1)
+        if impl == "eager":
+            bias = torch.where(idx >= 0, beta, torch.zeros_like(beta)).expand(idx.shape)
+            scores_bias = torch.zeros(*idx.shape, k.shape[2], device=q.device, dtype=torch.float32)
+            scores_bias = scores_bias.scatter(-1, idx.clamp_min(0)[..., None], bias[..., None])
+            return ATTENTION_KERNELS["eager"](q, k, v, key_mask, self.scale, bias=scores_bias)
+        out = ATTENTION_KERNELS[impl](q, k, v, key_mask, self.scale)
+        groups = self.num_heads // self.num_kv
+        lse = KeysLogsumexp.apply(q, k, key_mask, self.scale)  # (B, H, T) over every key
+        score = self.scale * (q.float() * gather_keys(k, idx, groups).float()).sum(-1)
+        p_next = torch.where(idx >= 0, torch.exp(score - lse), torch.zeros_like(score))
+        r = torch.expm1(beta) * p_next  # (B, H, T): > -1 while j⁺ is not the only key with weight
+        mixed = (out.float() + r[..., None] * gather_keys(v, idx, groups).float()) / (1 + r).clamp_min(1e-12)[
+            ..., None
+        ]
+        return mixed.to(out.dtype)
 
     def with_null_key(
         self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
@@ -788,6 +942,7 @@ class CrossAttention(nn.Module):
             self.long_gate,
             self.long_match,
             self.induction_gate,
+            self.run_bias,
         )
         for part in (p for p in zero_at_init if p is not None):  # each exactly the layer without it at zero
             for w in part.parameters() if isinstance(part, nn.Module) else [part]:

@@ -70,6 +70,7 @@ def attention_ref(
     v: torch.Tensor,
     key_mask: torch.Tensor | None,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain attention, the reference every fast path is tested against.
 
@@ -79,6 +80,7 @@ def attention_ref(
         q: ``(N, H, T, hd)``; k, v: ``(N, KV, S, hd)`` (GQA by repeating KV heads).
         key_mask: ``(N, S)`` bool, True = attend; None = all keys valid.
         scale: multiplier on ``q·k``.
+        bias: ``(N, H, T, S)`` fp32 added to the scores (then in fp32), or None.
 
     Returns:
         ``(N, H, T, hd_v)``.
@@ -86,6 +88,8 @@ def attention_ref(
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores.float() + bias
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -67,6 +67,7 @@ class CepeForCausalLM(nn.Module):
             short_gate=cepe_config.short_gate,
             long_gate=cepe_config.long_gate,
             induction_gate=cepe_config.induction_gate,
+            run_bias=cepe_config.run_bias,
         )
         # Registered under the decoder's own top-level names so ``model.layers.{i}.cross_attn`` keeps
         # the released layout: the decoder's submodules are this module's submodules.
@@ -229,6 +230,16 @@ class CepeForCausalLM(nn.Module):
                 w = m.q_proj.weight
                 m.induction_gate = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
         self.cepe_config.induction_gate = True
+
+    def enable_run_bias(self) -> None:
+        """Give every cross-attention head its bias on the key that continues its previous read
+        (``CepeConfig.run_bias``), zero, to an adapter trained without (the function is unchanged).
+        Idempotent."""
+        for m in self.cross_attention_modules():
+            if m.run_bias is None:
+                w = m.q_proj.weight
+                m.run_bias = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
+        self.cepe_config.run_bias = True
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -525,10 +536,10 @@ class CepeForCausalLM(nn.Module):
 
     @contextlib.contextmanager
     def _follow_beams(self, on: bool) -> Iterator[None]:
-        """With induction gates, beam search must also reorder where each row's heads read last: the
+        """With induction gates or run biases, beam search must also reorder where each row's heads read last: the
         decoder's ``_reorder_cache`` (HF's hook for models whose cache is not only the KV cache) reorders
         the contexts' ``read_state`` and then the cache, for the duration of one ``generate`` call."""
-        if not (on and self.cepe_config.induction_gate):
+        if not (on and (self.cepe_config.induction_gate or self.cepe_config.run_bias)):
             yield
             return
         own = self.decoder.__dict__.get("_reorder_cache")

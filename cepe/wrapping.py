@@ -142,6 +142,7 @@ def attach_cross_attention(
     short_gate: bool = False,
     long_gate: bool = False,
     induction_gate: bool = False,
+    run_bias: bool = False,
 ) -> list[CrossAttention]:
     """Add a :class:`CrossAttention` to each listed layer of ``decoder`` and hook it in.
 
@@ -178,6 +179,7 @@ def attach_cross_attention(
             short_gate=short_gate,
             long_gate=long_gate,
             induction_gate=induction_gate,
+            run_bias=run_bias,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
         p = next(decoder.parameters())

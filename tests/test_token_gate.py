@@ -106,6 +106,7 @@ def test_token_gate_saves_and_loads(tmp_path):
         ({"length_scale": 7, "short_gate": True}, "short_gate", {}, (".short_gate.",)),
         ({"length_scale": 7, "long_gate": True}, "long_gate", {}, (".long_gate.",)),
         ({"induction_gate": True}, "induction_gate", {}, (".induction_gate",)),
+        ({"run_bias": True}, "run_bias", {}, (".run_bias",)),
     ],
 )
 def test_a_stage_adds_gates_and_trains_only_them(tmp_path, cepe, attr, extra, parts):

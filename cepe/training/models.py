@@ -135,6 +135,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_long_gate()  # and their mirror for longer contexts
         if cfg.cepe.get("induction_gate") and not model.cepe_config.induction_gate:
             model.enable_induction_gate()  # weights on whether reading continues a run
+        if cfg.cepe.get("run_bias") and not model.cepe_config.run_bias:
+            model.enable_run_bias()  # biases towards the key that continues a run
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
