@@ -45,10 +45,10 @@ class CrossContext:
         match_memo: per layer, the match statistics of its last call under autograd with the query and
             ``k_proj`` version they came from: gradient checkpointing runs each layer again in backward
             with the same query, and the statistics (no gradient) are then reused, not recomputed.
-        read_state: per layer, where each head read last (``CepeConfig.induction_gate``, ``run_bias``): the key its last
-            query attended to most ``(B, H)`` and the number of decoder tokens seen by then, so that the
-            next incremental call (generation) continues the run; kept only without autograd.
-        read_memo: :attr:`match_memo` for the induction statistic.
+        read_state: per layer, where each head read last (``CepeConfig.induction_gate``, ``run_bias``): the
+            key its last query attended to most ``(B, H)`` and the number of decoder tokens seen by then, so
+            that the next incremental call (generation) continues the run; kept only without autograd.
+        read_memo: :attr:`match_memo` for the induction statistic and the run biases' successor keys.
     """
 
     states: torch.Tensor
