@@ -118,3 +118,131 @@ def load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def ids_of(b: int = 2, t: int = 9, seed: int = 5) -> torch.Tensor:
+    """``(B, T)`` random decoder token ids."""
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def check_read_state_options(model: CepeForCausalLM, switch_off) -> None:
+    """Invariants of an option that tracks where heads read (induction gates, run biases), on ``model``
+    whose option weights are non-zero: no context is exactly the decoder; the option acts (``switch_off``
+    zeroes its weights and the logits change); with every ``o_proj`` zero the model is the decoder."""
+    ids = ids_of()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        on = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)  # no context: the decoder
+        for m in model.cross_attention_modules():
+            switch_off(m)
+        off = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert (on - off).abs().max().item() > 1e-3  # the option acts
+        for m in model.cross_attention_modules():
+            m.o_proj.weight.zero_()
+        assert torch.equal(
+            model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits,
+            tiny_decoder()(ids).logits,
+        )
+
+
+def check_incremental_calls(model: CepeForCausalLM, mode: str) -> None:
+    """A prompt then one token at a time (each call carries on from where the last ended) gives the
+    logits of one call over the whole sequence; a fresh call on the same context starts over."""
+    import inspect
+
+    ids = ids_of(t=10)
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2] = False
+    with torch.no_grad():
+        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        whole = model(ids, cross_context=ctx).logits
+        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        out = model(ids[:, :4], cross_context=ctx, use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        name = (
+            "cache" if "cache" in inspect.signature(model.decoder.forward).parameters else "past_key_values"
+        )
+        for t in range(4, 10):
+            out = model(ids[:, t : t + 1], cross_context=ctx, use_cache=True, **{name: cache})
+            steps.append(out.logits)
+            cache = out.past_key_values
+        again = model(ids, cross_context=ctx).logits  # state left by the steps is not used
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, whole)
+
+
+def check_beam_scores(model: CepeForCausalLM) -> None:
+    """Each returned beam's score (length_penalty 0: the sum of its tokens' log-probabilities) is what a
+    single call over that sequence gives: per-row read state was reordered with the beams."""
+    ids = ids_of(b=1, t=5)
+    enc_ids, enc_mask = random_context(1, 3)
+    out = model.generate(
+        ids,
+        encoder_input_ids=enc_ids,
+        encoder_attention_mask=enc_mask,
+        max_new_tokens=6,
+        num_beams=4,
+        num_return_sequences=4,
+        length_penalty=0.0,
+        do_sample=False,
+        early_stopping=True,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    assert "_reorder_cache" not in model.decoder.__dict__  # removed after the call
+    seqs = out.sequences
+    with torch.no_grad():
+        ctx = model.prepare_context(enc_ids.expand(4, -1, -1), enc_mask.expand(4, -1, -1))
+        logp = model(seqs, cross_context=ctx).logits.float().log_softmax(-1)
+    want = logp[:, 4:-1].gather(-1, seqs[:, 5:, None])[..., 0].sum(-1)
+    torch.testing.assert_close(out.sequences_scores, want, rtol=1e-4, atol=1e-4)
+
+
+def check_checkpointing_gradients(make_model) -> dict[str, torch.Tensor]:
+    """The loss and every gradient of a fresh ``make_model()`` with and without gradient checkpointing
+    agree (statistics computed without gradient are reused in the recomputation); returns the gradients."""
+
+    def grads(checkpoint: bool):
+        model = make_model().train()
+        if checkpoint:
+            model.decoder.activation_checkpointing_enable({"use_reentrant": False})
+            model.decoder.train()
+        enc_ids, enc_mask = random_context(2, 3)
+        ctx = model.prepare_context(enc_ids, enc_mask)
+        with model.use_context(ctx):
+            loss = model(ids_of(), cross_context=ctx, labels=ids_of(seed=6)).loss
+            loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_a, plain = grads(False)
+    loss_b, ckpt = grads(True)
+    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(plain) == set(ckpt)
+    for n, g in plain.items():
+        torch.testing.assert_close(ckpt[n], g, rtol=1e-4, atol=1e-6)
+    return plain
+
+
+def check_enabling_keeps_the_function(plain: CepeForCausalLM, enable, option: str) -> None:
+    """``enable()`` adds an option's zero weights to ``plain`` (an adapter without them): the config says
+    so and the logits stay bit-identical."""
+    ids = ids_of()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        before = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        enable()
+        assert getattr(plain.cepe_config, option)
+        assert torch.equal(
+            before, plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        )
+
+
+def check_saved_option(model: CepeForCausalLM, option: str, path) -> None:
+    """``model`` saves and loads with its per-layer ``option`` weights (and the config's flag) intact."""
+    model.save_pretrained(path)
+    loaded = CepeForCausalLM.from_pretrained(path, decoder=tiny_decoder()).eval()
+    assert getattr(loaded.cepe_config, option)
+    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
+        assert torch.equal(getattr(a, option), getattr(b, option))

@@ -5,12 +5,23 @@ The cache modes agree with induction gates: ``tests/test_model.py::test_cache_mo
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
 import torch
-from conftest import VOCAB, heads_scaled, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+from conftest import (
+    check_beam_scores,
+    check_checkpointing_gradients,
+    check_enabling_keeps_the_function,
+    check_incremental_calls,
+    check_read_state_options,
+    check_saved_option,
+    heads_scaled,
+    random_context,
+    randomize_cross,
+    tiny_cepe_config,
+    tiny_decoder,
+)
 
 from cepe import CepeForCausalLM
 from cepe.cross_attention import (
@@ -105,10 +116,6 @@ def _model(seed: int = 3, spread: float = 3.0, **kw) -> CepeForCausalLM:
     return model
 
 
-def _ids(b: int = 2, t: int = 9, seed: int = 5) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("others", [False, True])
 def test_layer_output_by_hand(impl, others):
@@ -143,115 +150,27 @@ def test_layer_output_by_hand(impl, others):
 def test_zero_gates_are_exactly_the_adapter_without_them_and_invariants_hold():
     plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(match_gate=True)).eval()
     randomize_cross(plain)
-    ids = _ids()
-    enc_ids, enc_mask = random_context(2, 3)
-    with torch.no_grad():
-        a = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        plain.enable_induction_gate()
-        assert plain.cepe_config.induction_gate
-        assert torch.equal(a, plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits)
-    model = _model()
-    with torch.no_grad():
-        on = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)  # no context: the decoder
-        for m in model.cross_attention_modules():
-            m.induction_gate.zero_()
-        off = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        assert (on - off).abs().max().item() > 1e-3  # the gates act
-        for m in model.cross_attention_modules():
-            m.o_proj.weight.zero_()
-        assert torch.equal(
-            model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits,
-            tiny_decoder()(ids).logits,
-        )
+    check_enabling_keeps_the_function(plain, plain.enable_induction_gate, "induction_gate")
+    check_read_state_options(_model(), lambda m: m.induction_gate.zero_())
 
 
 @pytest.mark.parametrize("mode", ["kv", "states", "absorbed"])
 def test_incremental_calls_continue_the_run(mode):
-    """A prompt then one token at a time (each call carries on from where the last ended) gives the
-    logits of one call over the whole sequence; a fresh call on the same context starts over."""
-    model = _model()
-    ids = _ids(t=10)
-    enc_ids, enc_mask = random_context(2, 3)
-    enc_mask[1, 2] = False
-    with torch.no_grad():
-        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
-        whole = model(ids, cross_context=ctx).logits
-        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
-        out = model(ids[:, :4], cross_context=ctx, use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        name = (
-            "cache" if "cache" in inspect.signature(model.decoder.forward).parameters else "past_key_values"
-        )
-        for t in range(4, 10):
-            out = model(ids[:, t : t + 1], cross_context=ctx, use_cache=True, **{name: cache})
-            steps.append(out.logits)
-            cache = out.past_key_values
-        again = model(ids, cross_context=ctx).logits  # state left by the steps is not used
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-4)
-    assert torch.equal(again, whole)
+    check_incremental_calls(_model(), mode)
 
 
 def test_beam_search_follows_reordered_rows():
-    """Each returned beam's score (length_penalty 0: the sum of its tokens' log-probabilities) is what a
-    single call over that sequence gives: the read positions were reordered with the beams."""
-    model = _model(spread=6.0)
-    ids = _ids(b=1, t=5)
-    enc_ids, enc_mask = random_context(1, 3)
-    out = model.generate(
-        ids,
-        encoder_input_ids=enc_ids,
-        encoder_attention_mask=enc_mask,
-        max_new_tokens=6,
-        num_beams=4,
-        num_return_sequences=4,
-        length_penalty=0.0,
-        do_sample=False,
-        early_stopping=True,
-        pad_token_id=0,
-        eos_token_id=None,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    assert "_reorder_cache" not in model.decoder.__dict__  # removed after the call
-    seqs = out.sequences
-    with torch.no_grad():
-        ctx = model.prepare_context(enc_ids.expand(4, -1, -1), enc_mask.expand(4, -1, -1))
-        logp = model(seqs, cross_context=ctx).logits.float().log_softmax(-1)
-    new = seqs[:, 5:]
-    want = logp[:, 4:-1].gather(-1, new[..., None])[..., 0].sum(-1)
-    torch.testing.assert_close(out.sequences_scores, want, rtol=1e-4, atol=1e-4)
+    check_beam_scores(_model(spread=6.0))
 
 
 def test_gradients_checkpointing_save_and_load(tmp_path):
     """The gate learns (no gradient through ι̂); checkpointing reuses the statistic and gives the same
     gradients; the adapter saves and loads (a stage adds the gates to an adapter trained without:
     ``tests/test_token_gate.py::test_a_stage_adds_gates_and_trains_only_them``)."""
-
-    def grads(checkpoint: bool):
-        model = _model().train()
-        if checkpoint:
-            model.decoder.activation_checkpointing_enable({"use_reentrant": False})
-            model.decoder.train()
-        enc_ids, enc_mask = random_context(2, 3)
-        ctx = model.prepare_context(enc_ids, enc_mask)
-        with model.use_context(ctx):
-            loss = model(_ids(), cross_context=ctx, labels=_ids(seed=6)).loss
-            loss.backward()
-        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    loss_a, plain = grads(False)
-    loss_b, ckpt = grads(True)
-    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(plain) == set(ckpt)
+    plain = check_checkpointing_gradients(_model)
     assert any(".induction_gate" in n and (g != 0).all() for n, g in plain.items())
-    for n, g in plain.items():
-        torch.testing.assert_close(ckpt[n], g, rtol=1e-4, atol=1e-6)
     model = _model()
-    model.save_pretrained(tmp_path / "a")
-    loaded = CepeForCausalLM.from_pretrained(tmp_path / "a", decoder=tiny_decoder()).eval()
-    assert loaded.cepe_config.induction_gate
-    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
-        assert torch.equal(a.induction_gate, b.induction_gate)
+    check_saved_option(model, "induction_gate", tmp_path / "a")
     with pytest.raises(ValueError):  # gates do not fit a model without them
         CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).load_adapter_state_dict(
             model.adapter_state_dict()

@@ -7,11 +7,20 @@ without them; generation carries the read position; a stage adds them and trains
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
-from conftest import VOCAB, random_context, randomize_cross, tiny_cepe_config, tiny_decoder
+from conftest import (
+    check_beam_scores,
+    check_checkpointing_gradients,
+    check_enabling_keeps_the_function,
+    check_incremental_calls,
+    check_read_state_options,
+    check_saved_option,
+    random_context,
+    randomize_cross,
+    tiny_cepe_config,
+    tiny_decoder,
+)
 
 from cepe import CepeForCausalLM
 from cepe.cross_attention import KeysLogsumexp, best_keys_ref, successor_keys
@@ -71,10 +80,6 @@ def _model(impl: str = "sdpa", seed: int = 3, spread: float = 2.0, **kw) -> Cepe
     return model
 
 
-def _ids(b: int = 2, t: int = 9, seed: int = 5) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("null_key", [False, True])
 @pytest.mark.parametrize("others", [False, True])
 def test_layer_by_hand_and_fast_equals_reference(null_key, others):
@@ -126,104 +131,21 @@ def test_layer_by_hand_and_fast_equals_reference(null_key, others):
 def test_zero_biases_are_exactly_the_adapter_without_them_and_invariants_hold():
     plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(null_key=True)).eval()
     randomize_cross(plain)
-    ids = _ids()
-    enc_ids, enc_mask = random_context(2, 3)
-    with torch.no_grad():
-        a = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        plain.enable_run_bias()
-        assert plain.cepe_config.run_bias
-        assert torch.equal(a, plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits)
-    model = _model()
-    with torch.no_grad():
-        on = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)  # no context: the decoder
-        for m in model.cross_attention_modules():
-            m.run_bias.zero_()
-        off = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        assert (on - off).abs().max().item() > 1e-3  # the biases act
-        for m in model.cross_attention_modules():
-            m.o_proj.weight.zero_()
-        assert torch.equal(
-            model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits,
-            tiny_decoder()(ids).logits,
-        )
+    check_enabling_keeps_the_function(plain, plain.enable_run_bias, "run_bias")
+    check_read_state_options(_model(), lambda m: m.run_bias.zero_())
 
 
 @pytest.mark.parametrize("mode", ["kv", "states", "absorbed"])
 def test_incremental_calls_continue_the_run(mode):
-    """A prompt then one token at a time gives the logits of one call over the whole sequence."""
-    model = _model(null_key=True)
-    ids = _ids(t=10)
-    enc_ids, enc_mask = random_context(2, 3)
-    enc_mask[1, 2] = False
-    with torch.no_grad():
-        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
-        whole = model(ids, cross_context=ctx).logits
-        ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
-        out = model(ids[:, :4], cross_context=ctx, use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        name = (
-            "cache" if "cache" in inspect.signature(model.decoder.forward).parameters else "past_key_values"
-        )
-        for t in range(4, 10):
-            out = model(ids[:, t : t + 1], cross_context=ctx, use_cache=True, **{name: cache})
-            steps.append(out.logits)
-            cache = out.past_key_values
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-4)
+    check_incremental_calls(_model(null_key=True), mode)
 
 
 def test_beam_search_follows_reordered_rows():
-    """Each beam's score is a single call's log-probability of its sequence (read positions reordered)."""
-    model = _model(spread=4.0)
-    ids = _ids(b=1, t=5)
-    enc_ids, enc_mask = random_context(1, 3)
-    out = model.generate(
-        ids,
-        encoder_input_ids=enc_ids,
-        encoder_attention_mask=enc_mask,
-        max_new_tokens=6,
-        num_beams=4,
-        num_return_sequences=4,
-        length_penalty=0.0,
-        do_sample=False,
-        early_stopping=True,
-        pad_token_id=0,
-        eos_token_id=None,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    seqs = out.sequences
-    with torch.no_grad():
-        ctx = model.prepare_context(enc_ids.expand(4, -1, -1), enc_mask.expand(4, -1, -1))
-        logp = model(seqs, cross_context=ctx).logits.float().log_softmax(-1)
-    want = logp[:, 4:-1].gather(-1, seqs[:, 5:, None])[..., 0].sum(-1)
-    torch.testing.assert_close(out.sequences_scores, want, rtol=1e-4, atol=1e-4)
+    check_beam_scores(_model(spread=4.0))
 
 
 def test_checkpointing_save_and_load(tmp_path):
     """Gradient checkpointing gives the same gradients; the adapter saves and loads."""
-
-    def grads(checkpoint: bool):
-        model = _model(null_key=True).train()
-        if checkpoint:
-            model.decoder.activation_checkpointing_enable({"use_reentrant": False})
-            model.decoder.train()
-        enc_ids, enc_mask = random_context(2, 3)
-        ctx = model.prepare_context(enc_ids, enc_mask)
-        with model.use_context(ctx):
-            loss = model(_ids(), cross_context=ctx, labels=_ids(seed=6)).loss
-            loss.backward()
-        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    loss_a, plain = grads(False)
-    loss_b, ckpt = grads(True)
-    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(plain) == set(ckpt)
+    plain = check_checkpointing_gradients(lambda: _model(null_key=True))
     assert any(".run_bias" in n and (g != 0).any() for n, g in plain.items())
-    for n, g in plain.items():
-        torch.testing.assert_close(ckpt[n], g, rtol=1e-4, atol=1e-6)
-    model = _model()
-    model.save_pretrained(tmp_path / "a")
-    loaded = CepeForCausalLM.from_pretrained(tmp_path / "a", decoder=tiny_decoder()).eval()
-    assert loaded.cepe_config.run_bias
-    for a, b in zip(model.cross_attention_modules(), loaded.cross_attention_modules()):
-        assert torch.equal(a.run_bias, b.run_bias)
+    check_saved_option(_model(), "run_bias", tmp_path / "a")
