@@ -6,12 +6,23 @@
 # the documented ones in results/recipe/soup_qa2_gates_break/ left as they are) and its fixed-target curve.
 # Run it again after a stop, a kill or a new session on the same machine: done stages are skipped.
 #   bash scripts/rebuild_choice.sh          # start or pick up (log: runs/recipe/rebuild.log)
+#   bash scripts/rebuild_choice.sh run      # the same route with run biases from the 8K stage on
+#                                           # (fast_direct_8kd_run, fast_fold_run, ...: runs/soup/qa2_gates_break_run,
+#                                           # probes in results/recipe/soup_qa2_gates_break_run/)
 # The chain's step times: docs/TRAINING.md, "Another new machine" (about fifteen hours on a 2-core AVX2 CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGES=(fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa fast_fold_qa2
-  fast_fold_gates fast_fold_break_only)
-PARENTS=(fast_fold_qa2 fast_fold_gates fast_fold_break_only)
+case "${1:-}" in
+  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt ;;
+  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run ;;
+  *) echo "usage: bash scripts/rebuild_choice.sh [run]" >&2; exit 2 ;;
+esac
+STAGES=(fast_warmup fast_direct_copy fast_direct_recall2)
+for name in fast_direct_8kd fast_fold fast_fold_qa fast_fold_qa2 fast_fold_gates fast_fold_break_only; do
+  STAGES+=("$name$SUFFIX")
+done
+PARENTS=("fast_fold_qa2$SUFFIX" "fast_fold_gates$SUFFIX" "fast_fold_break_only$SUFFIX")
+SOUP=runs/soup/qa2_gates_break$SUFFIX
 mkdir -p runs/recipe
 if [ -f runs/recipe/rebuild.pid ] && kill -0 "$(cat runs/recipe/rebuild.pid)" 2>/dev/null; then
   echo "already running (pid $(cat runs/recipe/rebuild.pid)); log: runs/recipe/rebuild.log"; exit 0
@@ -31,18 +42,18 @@ rebuild() {
       || { echo "$(date -u +%FT%TZ) $name is not done: the chain stopped (runs/recipe/chain.log); run again"; exit 1; }
     ends+=("runs/recipe/$name/checkpoints/step_000040/adapter")
   done
-  [ -f runs/soup/qa2_gates_break/cepe_config.json ] || python scripts/average_adapters.py runs/soup/qa2_gates_break "${ends[@]}"
-  local out=results/recipe/soup_qa2_gates_break_rebuilt/step040
+  [ -f "$SOUP/cepe_config.json" ] || python scripts/average_adapters.py "$SOUP" "${ends[@]}"
+  local out=results/recipe/$PROBE/step040
   if [ ! -f "$out/copy_val/copy.json" ]; then
     echo "$(date -u +%FT%TZ) probing the average"
-    ADAPTER=runs/soup/qa2_gates_break bash scripts/probe_stage.sh soup_qa2_gates_break_rebuilt 40
+    ADAPTER=$SOUP bash scripts/probe_stage.sh "$PROBE" 40
   fi
   if [ ! -f "$out/fixedppl/fixedppl.json" ]; then
-    cepe eval fixedppl --model runs/soup/qa2_gates_break --config configs/eval/fixedppl.yaml --methods cepe \
+    cepe eval fixedppl --model "$SOUP" --config configs/eval/fixedppl.yaml --methods cepe \
       --autocast auto --no-progress --out "$out/fixedppl" > "$out/fixedppl.log" 2>&1
   fi
-  echo "$(date -u +%FT%TZ) rebuilt: runs/soup/qa2_gates_break, probes in $out"
+  echo "$(date -u +%FT%TZ) rebuilt: $SOUP, probes in $out"
 }
-nohup bash -c "$(declare -p STAGES PARENTS); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
+nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
 echo $! > runs/recipe/rebuild.pid
 echo "started the rebuild (pid $!), log runs/recipe/rebuild.log"

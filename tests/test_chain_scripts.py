@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -94,18 +96,39 @@ def test_a_failing_stage_is_reported_with_its_exit_code(tmp_path):
     assert "fast_direct_copy" not in log
 
 
-def test_the_rebuild_chains_the_nine_stages_and_stops_cleanly_with_them(tmp_path):
-    """``rebuild_choice.sh`` starts the route's nine stages (each config must exist, or the chain refuses
-    it) and, when a stage is stopped, says which parent is not done instead of averaging."""
+@pytest.mark.parametrize(
+    ("route", "later"),
+    [
+        ([], "fast_direct_8kd fast_fold fast_fold_qa fast_fold_qa2 fast_fold_gates fast_fold_break_only"),
+        (
+            ["run"],
+            "fast_direct_8kd_run fast_fold_run fast_fold_qa_run fast_fold_qa2_run fast_fold_gates_run "
+            "fast_fold_break_only_run",
+        ),
+    ],
+)
+def test_the_rebuild_chains_the_nine_stages_and_stops_cleanly_with_them(tmp_path, route, later):
+    """``rebuild_choice.sh`` (and ``rebuild_choice.sh run``, the route with run biases from the 8K stage on)
+    starts the route's nine stages (each config must exist, or the chain refuses it) and, when a stage is
+    stopped, says which parent is not done instead of averaging."""
     root = _with_stand_in_cepe(tmp_path, 128 + 15)
-    proc = subprocess.run(["bash", "scripts/rebuild_choice.sh"], cwd=root, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", "scripts/rebuild_choice.sh", *route], cwd=root, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     _wait(root / "runs/recipe/rebuild.pid")
     log = (root / "runs/recipe/rebuild.log").read_text()
-    stages = (
-        "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa "
-        "fast_fold_qa2 fast_fold_gates fast_fold_break_only"
-    )
+    stages = f"fast_warmup fast_direct_copy fast_direct_recall2 {later}"
     assert f"started the chain {stages} (pid" in log
-    assert "fast_fold_qa2 is not done: the chain stopped" in log
+    parent = "fast_fold_qa2_run" if route else "fast_fold_qa2"
+    assert f"{parent} is not done: the chain stopped" in log
     assert "fast_warmup: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
+
+
+def test_the_rebuild_refuses_an_unknown_route(tmp_path):
+    root = _with_stand_in_cepe(tmp_path, 0)
+    proc = subprocess.run(
+        ["bash", "scripts/rebuild_choice.sh", "fast"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "usage: bash scripts/rebuild_choice.sh [run]" in proc.stderr
+    assert not (root / "runs/recipe/rebuild.log").exists()
