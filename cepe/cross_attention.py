@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .layers import ATTENTION_KERNELS, RMSNorm, attention_sdpa, norm_scale
+from .layers import ATTENTION_KERNELS, RMSNorm, attention_sdpa, attention_sdpa_lse, norm_scale
 
 
 @dataclass
@@ -432,7 +432,8 @@ class KeysLogsumexp(torch.autograd.Function):
     fused kernel's), exponentials and sums in fp32: ``∂lse_t/∂q_t = scale·Σ_j p_tj k_j``,
     ``∂lse_t/∂k_j = scale·p_tj q_t``.
 
-    ``apply(q (B, H, T, hd), k (B, KV, S, hd), key_mask (B, S) bool or None, scale)``."""
+    ``apply(q (B, H, T, hd), k (B, KV, S, hd), key_mask (B, S) bool or None, scale)``: where the fused CPU
+    kernel runs, :func:`cepe.layers.attention_sdpa_lse` gives the same with no pass of its own."""
 
     @staticmethod
     def _chunks(q, k, key_mask, scale):
@@ -846,7 +847,8 @@ class CrossAttention(nn.Module):
         fused kernel unchanged and corrects its output in closed form: with ``p⁺`` the kernel's attention
         on ``j⁺`` and ``r = (e^β − 1)·p⁺``, the biased attention is ``(out + r·v⁺) / (1 + r)``; ``p⁺`` comes
         from the score on ``j⁺`` and the logsumexp over every key (:class:`KeysLogsumexp`, exact
-        gradients), so no ``(B, H, T, S)`` tensor is kept for backward."""
+        gradients; the fused kernel's own where it gives one, :func:`cepe.layers.attention_sdpa_lse`), so
+        no ``(B, H, T, S)`` tensor is kept for backward."""
         idx = torch.where(succ >= 0, succ + offset, succ)  # (B, H, T) into k's keys
         beta = self.run_bias.float()[None, :, None]  # (1, H, 1)
         if impl == "eager":
@@ -854,9 +856,11 @@ class CrossAttention(nn.Module):
             scores_bias = torch.zeros(*idx.shape, k.shape[2], device=q.device, dtype=torch.float32)
             scores_bias = scores_bias.scatter(-1, idx.clamp_min(0)[..., None], bias[..., None])
             return ATTENTION_KERNELS["eager"](q, k, v, key_mask, self.scale, bias=scores_bias)
-        out = ATTENTION_KERNELS[impl](q, k, v, key_mask, self.scale)
+        # (B, H, T) logsumexp over every key: the fused kernel's where it gives one (CPU), else its own pass
+        out, lse = attention_sdpa_lse(q, k, v, key_mask, self.scale)
+        if lse is None:
+            lse = KeysLogsumexp.apply(q, k, key_mask, self.scale)
         groups = self.num_heads // self.num_kv
-        lse = KeysLogsumexp.apply(q, k, key_mask, self.scale)  # (B, H, T) over every key
         score = self.scale * (q.float() * gather_keys(k, idx, groups).float()).sum(-1)
         p_next = torch.where(idx >= 0, torch.exp(score - lse), torch.zeros_like(score))
         r = torch.expm1(beta) * p_next  # (B, H, T): > -1 while j⁺ is not the only key with weight

@@ -123,6 +123,77 @@ def attention_sdpa(
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def attention_sdpa_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`attention_sdpa`'s output and each query's logsumexp of the scaled scores over the keys
+    ``key_mask`` allows, ``(N, H, T)`` fp32, both from the fused CPU kernel, which computes the logsumexp
+    anyway; ``None`` for it where that kernel is not used (another device), so that the caller computes it.
+
+    Without autograd the output is :func:`attention_sdpa`'s to the bit (the same kernel, or the same
+    split over keys at a decode step). Under autograd both carry their gradients (:class:`FlashWithLse`):
+    the logsumexp's is folded into the kernel's own backward pass, so it costs no pass over the scores.
+
+    Args:
+        q: ``(N, H, T, hd)``; k, v: ``(N, KV, S, hd)``; key_mask: ``(N, S)`` bool or None.
+    """
+    n, h, t, hd = q.shape
+    kv = k.shape[1]
+    groups = h // kv
+    if _FLASH_CPU is None or _FLASH_CPU_BACKWARD is None or q.device.type != "cpu":
+        return attention_sdpa(q, k, v, key_mask, scale), None
+    if key_mask is None:
+        parts = split_keys_parts(n * kv, groups * t, k.shape[2], q.device)
+        if parts > 1:
+            return attention_split_keys(q, k, v, scale, parts, with_lse=True)
+    qg = q.reshape(n, kv, groups * t, hd)  # (N, KV, G·T, hd)
+    mask = None
+    if key_mask is not None:  # the kernel takes an additive mask in the queries' dtype, as sdpa makes it
+        mask = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = FlashWithLse.apply(qg, k, v, mask, scale)
+    else:
+        out, lse = _FLASH_CPU(qg, k, v, attn_mask=mask, scale=scale)[:2]
+    return out.reshape(n, h, t, v.shape[-1]), lse.float().reshape(n, h, t)
+
+
+class FlashWithLse(torch.autograd.Function):
+    """The fused CPU attention with its logsumexp as a second differentiable output.
+
+    The kernel's backward computes the scores' gradient as ``P ∘ (dP − D)`` with ``D = rowsum(dO ∘ O)``
+    taken from the ``out`` it is given. The logsumexp's gradient adds ``P · g`` (``g = ∂L/∂lse`` per query),
+    i.e. ``D − g`` in place of ``D``: q, k and v gain one zero column (scores and outputs unchanged), the
+    output's extra column gets gradient 1 and is handed to the backward as ``−g``, so one backward pass of
+    the kernel gives both gradients.
+
+    ``apply(q (N, KV, Q, hd), k, v (N, KV, S, hd), mask (N, 1, 1, S) additive in q's dtype or None, scale)``
+    -> ``(out (N, KV, Q, hd), lse (N, KV, Q) fp32)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        q1, k1, v1 = (F.pad(x, (0, 1)) for x in (q, k, v))
+        out1, lse = _FLASH_CPU(q1, k1, v1, attn_mask=mask, scale=scale)[:2]
+        ctx.save_for_backward(q1, k1, v1, out1, lse, mask)
+        ctx.scale = scale
+        return out1[..., :-1].contiguous(), lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q1, k1, v1, out1, lse, mask = ctx.saved_tensors
+        d_out1 = F.pad(d_out.to(out1.dtype), (0, 1), value=1.0)
+        out_given = torch.cat([out1[..., :-1], -d_lse.to(out1.dtype)[..., None]], dim=-1)
+        dq, dk, dv = _FLASH_CPU_BACKWARD(
+            d_out1, q1, k1, v1, out_given, lse, 0.0, False, attn_mask=mask, scale=ctx.scale
+        )
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None
 
 
 def split_keys_parts(units: int, queries: int, keys: int, device: torch.device) -> int:
@@ -140,17 +211,18 @@ def split_keys_parts(units: int, queries: int, keys: int, device: torch.device) 
 
 
 def attention_split_keys(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: int
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: int, with_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the keys cut into ``parts`` blocks attended in parallel, merged by their
     log-sum-exps (split-K / flash-decoding). Same result as :func:`attention_sdpa` without a key mask.
 
     Args:
         q: ``(N, H, T, hd)``; k, v: ``(N, KV, S, hd)``, every key valid.
         parts: key blocks (S is cut into ``parts`` equal blocks plus, if S does not divide, a remainder).
+        with_lse: also return each query's logsumexp over all keys, ``(N, H, T)`` fp32.
 
     Returns:
-        ``(N, H, T, hd_v)``.
+        ``(N, H, T, hd_v)`` (and the logsumexp with ``with_lse``).
     """
     n, h, t, hd = q.shape
     kv, s = k.shape[1], k.shape[2]
@@ -173,8 +245,10 @@ def attention_split_keys(
         lses.append(lse[:, :, None])
     o, lse = torch.cat(outs, 2), torch.cat(lses, 2)  # (N, KV, P', G·T, hd), (N, KV, P', G·T)
     w = torch.softmax(lse.float(), dim=2)[..., None]
-    out = (o.float() * w).sum(2).to(q.dtype)  # (N, KV, G·T, hd_v)
-    return out.reshape(n, h, t, v.shape[-1])
+    out = (o.float() * w).sum(2).to(q.dtype).reshape(n, h, t, v.shape[-1])  # from (N, KV, G·T, hd_v)
+    if with_lse:
+        return out, torch.logsumexp(lse.float(), dim=2).reshape(n, h, t)
+    return out
 
 
 ATTENTION_KERNELS = {"eager": attention_ref, "sdpa": attention_sdpa}

@@ -11,7 +11,13 @@ from transformers import LlamaConfig, LlamaModel
 
 from cepe import CepeForCausalLM, EncoderConfig
 from cepe.encoder import ContextEncoder
-from cepe.layers import attention_ref, attention_sdpa, attention_split_keys, split_keys_parts
+from cepe.layers import (
+    attention_ref,
+    attention_sdpa,
+    attention_sdpa_lse,
+    attention_split_keys,
+    split_keys_parts,
+)
 from cepe.wrapping import decoder_layers
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
@@ -525,6 +531,53 @@ def test_split_keys_attention_matches_reference(shape):
         assert split_keys_parts(1, 1, 100, q.device) == 1  # too few keys: not worth splitting
         assert split_keys_parts(1, 1, 8192, q.device) >= 2
     assert split_keys_parts(1, 1, 8192, q.device) == 1  # training (grad enabled) keeps the fused kernel
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_logsumexp_and_both_gradients(masked, dtype):
+    """``attention_sdpa_lse``: without autograd, ``attention_sdpa``'s output bit for bit and each query's
+    logsumexp of the scaled, masked scores (GQA, padding and holes in the keys; at a decode step that
+    splits the keys, the blocks' logsumexps merged); under autograd the same values, with the gradients of
+    both outputs (the logsumexp's folded into the kernel's backward) equal to autograd's through the
+    scores."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 9, 16, generator=g).to(dtype).requires_grad_(True)
+    k = torch.randn(2, 2, 40, 16, generator=g).to(dtype).requires_grad_(True)
+    v = torch.randn(2, 2, 40, 16, generator=g).to(dtype).requires_grad_(True)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 40, dtype=torch.bool)
+        mask[0, 25:] = False
+        mask[1, ::3] = False
+    w = torch.randn(2, 6, 9, 16, generator=g).to(dtype)
+    w_lse = torch.randn(2, 6, 9, generator=g)
+    scores = torch.matmul(q.float(), k.float().repeat_interleave(3, dim=1).transpose(-1, -2)) * 0.25
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    want_out = torch.matmul(scores.softmax(-1), v.float().repeat_interleave(3, dim=1))
+    want_lse = torch.logsumexp(scores, -1)
+    want_grads = torch.autograd.grad((want_out * w.float()).sum() + (want_lse * w_lse).sum(), (q, k, v))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        out, lse = attention_sdpa_lse(q, k, v, mask, 0.25)
+        assert torch.equal(out, attention_sdpa(q, k, v, mask, 0.25)) and lse.dtype == torch.float32
+        torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
+    out, lse = attention_sdpa_lse(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out.float(), want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
+    got_grads = torch.autograd.grad((out * w).sum() + (lse * w_lse).sum(), (q, k, v))
+    for got, want in zip(got_grads, want_grads):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 4)
+    q1 = torch.randn(1, 9, 1, 16, generator=g)
+    k1, v1 = torch.randn(1, 3, 5000, 16, generator=g), torch.randn(1, 3, 5000, 16, generator=g)
+    with torch.no_grad():
+        assert split_keys_parts(3, 3, 5000, q1.device) >= 2  # this step takes the split path
+        out1, lse1 = attention_sdpa_lse(q1, k1, v1, None, 0.25)
+        assert torch.equal(out1, attention_sdpa(q1, k1, v1, None, 0.25))
+        scores1 = torch.matmul(q1, k1.repeat_interleave(3, dim=1).transpose(-1, -2)) * 0.25
+        torch.testing.assert_close(lse1, torch.logsumexp(scores1, -1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["kv", "absorbed"])
