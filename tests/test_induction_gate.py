@@ -26,6 +26,8 @@ from conftest import (
 from cepe import CepeForCausalLM
 from cepe.cross_attention import (
     MatchKeys,
+    best_keys,
+    best_keys_ref,
     induction_stats,
     induction_stats_ref,
     match_stats_ref,
@@ -96,6 +98,22 @@ def test_chunked_statistic_agrees_with_the_reference(masked, spread, monkeypatch
     if mask is not None:  # every argmax is a real key
         _, last = induction_stats_ref(q, k, mask, 0.25)
         assert mask.gather(1, last).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_most_attended_keys_are_the_first_of_equal_maxima(dtype, monkeypatch):
+    """The chunked read pass finds the reference's key where scores tie (small integers: many ties), past
+    padding and holes, in the keys' dtype."""
+    import cepe.cross_attention as ca
+
+    monkeypatch.setattr(ca, "READ_CHUNK", 2 * 6 * 40 * 3)  # three queries per chunk
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-2, 3, (2, 6, 9, 4), generator=g).to(dtype)
+    k = torch.randint(-2, 3, (2, 2, 40, 4), generator=g).to(dtype)
+    for mask in (None, _mask()):
+        fast, _ = best_keys(q, k, mask, 0.5, need_lse=False)
+        ref, _ = best_keys_ref(q, k, mask, 0.5)
+        assert torch.equal(fast, ref)
 
 
 def test_no_gradient_flows_through_the_statistic():
