@@ -109,17 +109,24 @@ def attention_sdpa(
     are stacked along the query axis, so K/V are never repeated in memory. Same arguments and
     result as :func:`attention_ref`.
     """
+    parts = _split_parts(q, k, key_mask)
+    if parts > 1:
+        return attention_split_keys(q, k, v, scale, parts)
     n, h, t, hd = q.shape
-    kv = k.shape[1]
-    groups = h // kv
-    if key_mask is None:
-        parts = split_keys_parts(n * kv, groups * t, k.shape[2], q.device)
-        if parts > 1:
-            return attention_split_keys(q, k, v, scale, parts)
-    qg = q.reshape(n, kv, groups * t, hd)  # (N, KV, G·T, hd)
+    qg = q.reshape(n, k.shape[1], -1, hd)  # (N, KV, G·T, hd)
     mask = None if key_mask is None else key_mask[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(n, h, t, v.shape[-1])
+
+
+def _split_parts(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None) -> int:
+    """The key blocks :func:`attention_split_keys` takes for this call (1: the fused kernel in one go;
+    always 1 with a key mask)."""
+    if key_mask is not None:
+        return 1
+    n, h, t, _ = q.shape
+    kv = k.shape[1]
+    return split_keys_parts(n * kv, h // kv * t, k.shape[2], q.device)
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -144,16 +151,13 @@ def attention_sdpa_lse(
     Args:
         q: ``(N, H, T, hd)``; k, v: ``(N, KV, S, hd)``; key_mask: ``(N, S)`` bool or None.
     """
-    n, h, t, hd = q.shape
-    kv = k.shape[1]
-    groups = h // kv
     if _FLASH_CPU is None or _FLASH_CPU_BACKWARD is None or q.device.type != "cpu":
         return attention_sdpa(q, k, v, key_mask, scale), None
-    if key_mask is None:
-        parts = split_keys_parts(n * kv, groups * t, k.shape[2], q.device)
-        if parts > 1:
-            return attention_split_keys(q, k, v, scale, parts, with_lse=True)
-    qg = q.reshape(n, kv, groups * t, hd)  # (N, KV, G·T, hd)
+    parts = _split_parts(q, k, key_mask)
+    if parts > 1:
+        return attention_split_keys(q, k, v, scale, parts, with_lse=True)
+    n, h, t, hd = q.shape
+    qg = q.reshape(n, k.shape[1], -1, hd)  # (N, KV, G·T, hd)
     mask = None
     if key_mask is not None:  # the kernel takes an additive mask in the queries' dtype, as sdpa makes it
         mask = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
