@@ -1,4 +1,5 @@
-"""The one markdown-table helper of the reports (eval, RULER, the main job, bench-store).
+"""The one markdown-table helper of the reports (eval, RULER, the main job, bench-store), and the
+JSON-and-table writer of the measuring scripts.
 
 Hand-written rather than a library (``tabulate``'s ``pipe`` format pads and aligns its columns, which would
 change every committed report byte for byte); stdlib only.
@@ -6,8 +7,12 @@ change every committed report byte for byte); stdlib only.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
+
+from .fileio import write_json, write_text
 
 
 def pipe_table(head: Sequence[Any], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -15,3 +20,14 @@ def pipe_table(head: Sequence[Any], rows: Iterable[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(map(str, head)) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     return lines
+
+
+def write_rows(out: str | os.PathLike[str], rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """A script's measured rows (dicts with the same keys) as ``OUT.json`` (``{"meta": ..., "rows": ...}``)
+    and ``OUT.md`` (one pipe table), each written atomically; OUT's folder is made if missing."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out.with_suffix(".json"), {"meta": meta, "rows": rows}, indent=1)
+    write_text(
+        out.with_suffix(".md"), "\n".join(pipe_table(list(rows[0]), [list(r.values()) for r in rows])) + "\n"
+    )

@@ -23,7 +23,6 @@ of 64 (the default decoder's), S as given; a quarter of the keys of every other 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from cepe import cross_attention
 from cepe.cross_attention import CrossAttention, best_keys, successor_keys
 from cepe.layers import attention_sdpa
-from cepe.tables import pipe_table
+from cepe.tables import write_rows
 
 
 def _without_kernel_lse(q, k, v, key_mask, scale):
@@ -124,11 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "cpu": platform.processor() or platform.machine(),
     }
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(
-            "\n".join(pipe_table(list(rows[0]), [list(r.values()) for r in rows])) + "\n"
-        )
+        write_rows(args.out, rows, meta)
         print(f"wrote {args.out}.json and .md")
     return rows
 
