@@ -14,15 +14,12 @@ of 64 (the default decoder's), S as given; a quarter of the keys of every other 
 
 from __future__ import annotations
 
-import argparse
-import platform
 import time
-from pathlib import Path
 
 import torch
 
+from cepe.bench.kernels import report, shape_parser
 from cepe.layers import attention_ref, attention_sdpa
-from cepe.tables import write_rows
 
 
 def time_call(
@@ -42,15 +39,7 @@ def time_call(
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--keys", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="encoder keys S")
-    ap.add_argument("--batch", type=int, default=16, help="examples B")
-    ap.add_argument("--queries", type=int, default=128, help="decoder tokens T")
-    ap.add_argument("--heads", type=int, default=9, help="query heads")
-    ap.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    ap = shape_parser(__doc__.split("\n\n")[0], keys=[1024, 2048, 4096, 8192], batch=16)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = []
@@ -79,21 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             }
         )
         print(rows[-1], flush=True)
-    meta = {
-        "shape": {
-            "B": args.batch,
-            "T": args.queries,
-            "H": args.heads,
-            "KV": args.kv_heads,
-            "hd": args.head_dim,
-        },
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-    }
-    if args.out is not None:
-        write_rows(args.out, rows, meta)
-        print(f"wrote {args.out}.json and .md")
+    report(args, rows)
     return rows
 
 

@@ -22,18 +22,15 @@ of 64 (the default decoder's), S as given; a quarter of the keys of every other 
 
 from __future__ import annotations
 
-import argparse
-import platform
 import time
-from pathlib import Path
 from unittest import mock
 
 import torch
 
 from cepe import cross_attention
+from cepe.bench.kernels import report, shape_parser
 from cepe.cross_attention import CrossAttention, best_keys, successor_keys
 from cepe.layers import attention_sdpa
-from cepe.tables import write_rows
 
 
 def _without_kernel_lse(q, k, v, key_mask, scale):
@@ -97,15 +94,7 @@ def measure(layer: CrossAttention, b: int, t: int, s: int, repeats: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--keys", type=int, nargs="+", default=[2048, 8192], help="encoder keys S")
-    ap.add_argument("--batch", type=int, default=4, help="examples B (a micro-batch)")
-    ap.add_argument("--queries", type=int, default=128, help="decoder tokens T")
-    ap.add_argument("--heads", type=int, default=9, help="query heads")
-    ap.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    ap = shape_parser(__doc__.split("\n\n")[0], keys=[2048, 8192], batch=4)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     b, h, kv, t, d = args.batch, args.heads, args.kv_heads, args.queries, args.head_dim
@@ -116,15 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for s in args.keys:
         rows.append(measure(layer, b, t, s, args.repeats))
         print(rows[-1], flush=True)
-    meta = {
-        "shape": {"B": b, "T": t, "H": h, "KV": kv, "hd": d},
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-    }
-    if args.out is not None:
-        write_rows(args.out, rows, meta)
-        print(f"wrote {args.out}.json and .md")
+    report(args, rows)
     return rows
 
 

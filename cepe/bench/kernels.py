@@ -1,0 +1,49 @@
+"""What the attention micro-benchmarks share (``scripts/attention_bench.py``, ``scripts/run_bias_bench.py``):
+their shape options (B examples of T decoder queries, H query heads over KV key/value heads of hd, S keys),
+the record of the machine they ran on, and their report (``OUT.json`` + ``OUT.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..tables import write_rows
+
+
+def shape_parser(description: str, keys: list[int], batch: int) -> argparse.ArgumentParser:
+    """A parser with the shape options (defaults: the default decoder's 9 heads over 3 of 64, T 128), the
+    repeats and ``--out``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--keys", type=int, nargs="+", default=keys, help="encoder keys S")
+    ap.add_argument("--batch", type=int, default=batch, help="examples B")
+    ap.add_argument("--queries", type=int, default=128, help="decoder tokens T")
+    ap.add_argument("--heads", type=int, default=9, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    return ap
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Write the rows with the shape and machine (threads, torch, CPU) to ``args.out`` (if given)."""
+    if args.out is None:
+        return
+    meta = {
+        "shape": {
+            "B": args.batch,
+            "T": args.queries,
+            "H": args.heads,
+            "KV": args.kv_heads,
+            "hd": args.head_dim,
+        },
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    write_rows(args.out, rows, meta)
+    print(f"wrote {args.out}.json and .md")
