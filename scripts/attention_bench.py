@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from cepe.bench.kernels import report, shape_parser
+from cepe.bench.kernels import random_inputs, report, shape_parser
 from cepe.layers import attention_ref, attention_sdpa
 
 
@@ -45,12 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for s in args.keys:
         b, h, kv, t, d = args.batch, args.heads, args.kv_heads, args.queries, args.head_dim
-        q = torch.randn(b, h, t, d, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
-        mask = torch.ones(b, s, dtype=torch.bool)
-        mask[1::2, s - s // 4 :] = False  # (B, S) padded keys, as chunks of unequal lengths leave them
-        grad_out = torch.randn(b, h, t, d, dtype=torch.bfloat16)
+        q, k, v, mask, grad_out = random_inputs(b, h, kv, t, s, d)
         scale = d**-0.5
         fused, g_fused = time_call(attention_sdpa, [q, k, v], mask, scale, grad_out, args.repeats)
         plain, g_plain = time_call(attention_ref, [q, k, v], mask, scale, grad_out, args.repeats)

@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 from cepe import cross_attention
-from cepe.bench.kernels import report, shape_parser
+from cepe.bench.kernels import random_inputs, report, shape_parser
 from cepe.cross_attention import CrossAttention, best_keys, successor_keys
 from cepe.layers import attention_sdpa
 
@@ -58,12 +58,7 @@ def time_step(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor, repeats: i
 def measure(layer: CrossAttention, b: int, t: int, s: int, repeats: int) -> dict:
     """One row: B examples of T queries over S keys through ``layer`` (its heads and head width)."""
     h, kv, d = layer.num_heads, layer.num_kv, layer.head_dim
-    q = torch.randn(b, h, t, d, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
-    mask = torch.ones(b, s, dtype=torch.bool)
-    mask[1::2, s - s // 4 :] = False  # (B, S) padded keys, as chunks of unequal lengths leave them
-    grad_out = torch.randn(b, h, t, d, dtype=torch.bfloat16)
+    q, k, v, mask, grad_out = random_inputs(b, h, kv, t, s, d)
     read_times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()

@@ -29,6 +29,20 @@ def shape_parser(description: str, keys: list[int], batch: int) -> argparse.Argu
     return ap
 
 
+def random_inputs(
+    b: int, h: int, kv: int, t: int, s: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 ``q`` (B, H, T, hd), ``k``, ``v`` (B, KV, S, hd) that require gradients, a key mask (B, S) with a
+    quarter of the keys of every other example off (padding, as chunks of unequal lengths leave it), and a
+    gradient for the output (B, H, T, hd), drawn from torch's global generator."""
+    q = torch.randn(b, h, t, d, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1::2, s - s // 4 :] = False
+    return q, k, v, mask, torch.randn(b, h, t, d, dtype=torch.bfloat16)
+
+
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Write the rows with the shape and machine (threads, torch, CPU) to ``args.out`` (if given)."""
     if args.out is None:
