@@ -36,10 +36,11 @@ DERIVED = {
 # Averages of stages' adapters a later stage starts from (scripts/average_adapters.py OUT ADAPTER ...;
 # docs/TRAINING.md, "A gentler continuation, and more averages"): output dir -> the adapters averaged.
 SOUPS = {
-    "runs/soup/qa2_gates_break": [
-        f"runs/recipe/{s}/checkpoints/step_000040/adapter"
+    f"runs/soup/qa2_gates_break{route}": [  # scripts/rebuild_choice.sh, and with `run` the run-bias route
+        f"runs/recipe/{s}{route}/checkpoints/step_000040/adapter"
         for s in ("fast_fold_qa2", "fast_fold_gates", "fast_fold_break_only")
-    ],
+    ]
+    for route in ("", "_run")
 }
 
 
