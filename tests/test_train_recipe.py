@@ -198,8 +198,13 @@ def test_lr_by_name_gives_each_named_part_its_rate(tmp_path):
     assert all(by_id[id(p)].endswith("cross_attn.match_gate") for p in groups[1]["params"])
     assert all(".token_gate." in by_id[id(p)] for p in groups[2]["params"])
     assert sum(len(g["params"]) for g in groups) == len(params)
-    with pytest.raises(ValueError, match="matches no trainable parameter"):
-        param_groups(model, params, _cfg(tmp_path, optim={"lr_by_name": {"null_key": 1e-2}}, **over))
+    # a part whose parameters train_only leaves frozen sets nothing (an inherited rate); a misspelt one fails
+    frozen = dict(rates, q_proj=3e-3)
+    again = param_groups(model, params, _cfg(tmp_path, optim={"lr": 1e-4, "lr_by_name": frozen}, **over))
+    assert [[id(p) for p in g["params"]] for g in again] == [[id(p) for p in g["params"]] for g in groups]
+    assert [g.get("lr") for g in again] == [None, 2e-2, 1e-3]
+    with pytest.raises(ValueError, match="'mach_gate' matches no parameter of the model"):
+        param_groups(model, params, _cfg(tmp_path, optim={"lr_by_name": {"mach_gate": 1e-2}}, **over))
     with pytest.raises(ValueError, match="positive"):
         _cfg(tmp_path, optim={"lr_by_name": {"match_gate": -1.0}}, **over)
 

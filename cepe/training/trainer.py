@@ -87,10 +87,11 @@ def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig)
     """AdamW parameter groups: the cross-attention head gates at ``optim.gate_lr`` when set (a gate moves
     about one learning rate per Adam step, so at the weights' rate it would need thousands of steps to
     open), each ``optim.lr_by_name`` part's parameters at that part's rate (the first listed part a name
-    contains), everything else at ``optim.lr``.
+    contains), everything else at ``optim.lr``. A part whose parameters are all frozen (a rate a recipe
+    inherits for parts its ``train_only`` leaves out) sets nothing.
 
     Raises:
-        ValueError: an ``lr_by_name`` part matches no trainable parameter.
+        ValueError: an ``lr_by_name`` part matches no parameter of the model (a misspelt part).
     """
     trainable = {id(p) for p in params}
     rate: dict[int, float] = {}
@@ -99,13 +100,14 @@ def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig)
             if n.endswith("cross_attn.gate") and id(p) in trainable:
                 rate[id(p)] = cfg.optim.gate_lr
     for part, lr in (cfg.optim.lr_by_name or {}).items():
-        hits = [p for n, p in model.named_parameters() if part in n and id(p) in trainable]
-        if not hits:
+        named = [(n, p) for n, p in model.named_parameters() if part in n]
+        if not named:
             names = [n for n, p in model.named_parameters() if id(p) in trainable]
             raise ValueError(
-                f"optim.lr_by_name part {part!r} matches no trainable parameter; trainable names are like "
+                f"optim.lr_by_name part {part!r} matches no parameter of the model; trainable names are like "
                 f"{names[:3]}: use a part of one of them"
             )
+        hits = [p for _, p in named if id(p) in trainable]
         for p in hits:
             rate.setdefault(id(p), float(lr))
     if not rate:
