@@ -3,7 +3,9 @@
 # background, resumably: the route's nine stages (scripts/train_chain.sh: each resumed or skipped), the
 # equal average of fast_fold_qa2, fast_fold_gates and fast_fold_break_only (runs/soup/qa2_gates_break), then
 # its probes with nothing else training (scripts/probe_stage.sh into results/recipe/soup_qa2_gates_break_rebuilt/,
-# the documented ones in results/recipe/soup_qa2_gates_break/ left as they are) and its fixed-target curve.
+# the documented ones in results/recipe/soup_qa2_gates_break/ left as they are) and its fixed-target curve;
+# then the validation choice over it, fast_soup_run (run biases alone, 40 steps), probed the same way into
+# results/recipe/fast_soup_run_rebuilt/ (the documented results/recipe/fast_soup_run/ left as they are).
 # Run it again after a stop, a kill or a new session on the same machine: done stages are skipped.
 #   bash scripts/rebuild_choice.sh          # start or pick up (log: runs/recipe/rebuild.log)
 #   bash scripts/rebuild_choice.sh run      # the same route with run biases from the 8K stage on
@@ -13,8 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt ;;
-  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run ;;
+  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt; CHOICE=fast_soup_run ;;
+  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run; CHOICE="" ;;
   *) echo "usage: bash scripts/rebuild_choice.sh [run]" >&2; exit 2 ;;
 esac
 STAGES=(fast_warmup fast_direct_copy fast_direct_recall2)
@@ -30,30 +32,44 @@ fi
 rebuild() {
   set -euo pipefail
   . .venv/bin/activate
-  if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; then
-    echo "$(date -u +%FT%TZ) a chain is running already (pid $(cat runs/recipe/chain.pid)): waiting for it"
-  else
-    bash scripts/train_chain.sh "${STAGES[@]}"
-  fi
-  while kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; do sleep 5; done
+  chain() {  # the stages named, through scripts/train_chain.sh (or the chain already running), to their end
+    if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; then
+      echo "$(date -u +%FT%TZ) a chain is running already (pid $(cat runs/recipe/chain.pid)): waiting for it"
+    else
+      bash scripts/train_chain.sh "$@"
+    fi
+    while kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; do sleep 5; done
+  }
+  done_or_stop() {
+    grep -q '"state": "done"' "runs/recipe/$1/status.json" 2>/dev/null \
+      || { echo "$(date -u +%FT%TZ) $1 is not done: the chain stopped (runs/recipe/chain.log); run again"; exit 1; }
+  }
+  probe() {  # ADAPTER NAME: the stage probes and the fixed-target curve, each once
+    local out=results/recipe/$2/step040
+    if [ ! -f "$out/copy_val/copy.json" ]; then
+      echo "$(date -u +%FT%TZ) probing $1"
+      ADAPTER=$1 bash scripts/probe_stage.sh "$2" 40
+    fi
+    if [ ! -f "$out/fixedppl/fixedppl.json" ]; then
+      cepe eval fixedppl --model "$1" --config configs/eval/fixedppl.yaml --methods cepe \
+        --autocast auto --no-progress --out "$out/fixedppl" > "$out/fixedppl.log" 2>&1
+    fi
+    echo "$(date -u +%FT%TZ) rebuilt: $1, probes in $out"
+  }
+  chain "${STAGES[@]}"
   local ends=()
   for name in "${PARENTS[@]}"; do
-    grep -q '"state": "done"' "runs/recipe/$name/status.json" 2>/dev/null \
-      || { echo "$(date -u +%FT%TZ) $name is not done: the chain stopped (runs/recipe/chain.log); run again"; exit 1; }
+    done_or_stop "$name"
     ends+=("runs/recipe/$name/checkpoints/step_000040/adapter")
   done
   [ -f "$SOUP/cepe_config.json" ] || python scripts/average_adapters.py "$SOUP" "${ends[@]}"
-  local out=results/recipe/$PROBE/step040
-  if [ ! -f "$out/copy_val/copy.json" ]; then
-    echo "$(date -u +%FT%TZ) probing the average"
-    ADAPTER=$SOUP bash scripts/probe_stage.sh "$PROBE" 40
+  probe "$SOUP" "$PROBE"
+  if [ -n "$CHOICE" ]; then  # fast_soup_run starts from $SOUP (its config's init_adapter)
+    chain "$CHOICE"
+    done_or_stop "$CHOICE"
+    probe "runs/recipe/$CHOICE/checkpoints/step_000040/adapter" "${CHOICE}_rebuilt"
   fi
-  if [ ! -f "$out/fixedppl/fixedppl.json" ]; then
-    cepe eval fixedppl --model "$SOUP" --config configs/eval/fixedppl.yaml --methods cepe \
-      --autocast auto --no-progress --out "$out/fixedppl" > "$out/fixedppl.log" 2>&1
-  fi
-  echo "$(date -u +%FT%TZ) rebuilt: $SOUP, probes in $out"
 }
-nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
+nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE CHOICE); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
 echo $! > runs/recipe/rebuild.pid
 echo "started the rebuild (pid $!), log runs/recipe/rebuild.log"

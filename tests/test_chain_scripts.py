@@ -125,6 +125,34 @@ def test_the_rebuild_chains_the_nine_stages_and_stops_cleanly_with_them(tmp_path
     assert "fast_warmup: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
 
 
+def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_it(tmp_path):
+    """With the nine stages done, the average written and probed, ``rebuild_choice.sh`` goes on to the
+    validation choice over it (``fast_soup_run``) and, when that stage is stopped, says so instead of
+    probing it; the route with run biases has no such stage."""
+    root = _with_stand_in_cepe(tmp_path, 128 + 15)
+    for name in (
+        "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa "
+        "fast_fold_qa2 fast_fold_gates fast_fold_break_only"
+    ).split():
+        (root / f"runs/recipe/{name}").mkdir(parents=True)
+        (root / f"runs/recipe/{name}/status.json").write_text('{"state": "done"}')
+    (root / "runs/soup/qa2_gates_break").mkdir(parents=True)
+    (root / "runs/soup/qa2_gates_break/cepe_config.json").write_text("{}")
+    probes = root / "results/recipe/soup_qa2_gates_break_rebuilt/step040"
+    for rel in ("copy_val/copy.json", "fixedppl/fixedppl.json"):
+        (probes / rel).parent.mkdir(parents=True, exist_ok=True)
+        (probes / rel).write_text("{}")
+    proc = subprocess.run(["bash", "scripts/rebuild_choice.sh"], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/rebuild.pid")
+    log = (root / "runs/recipe/rebuild.log").read_text()
+    assert "rebuilt: runs/soup/qa2_gates_break, probes in results/recipe/soup_qa2_gates_break_rebuilt/step040" in log
+    assert "started the chain fast_soup_run (pid" in log
+    assert "fast_soup_run is not done: the chain stopped" in log
+    assert "fast_soup_run: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
+    assert not (root / "results/recipe/fast_soup_run_rebuilt").exists()
+
+
 def test_the_rebuild_refuses_an_unknown_route(tmp_path):
     root = _with_stand_in_cepe(tmp_path, 0)
     proc = subprocess.run(
