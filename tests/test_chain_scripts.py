@@ -146,7 +146,10 @@ def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_i
     assert proc.returncode == 0, proc.stderr
     _wait(root / "runs/recipe/rebuild.pid")
     log = (root / "runs/recipe/rebuild.log").read_text()
-    assert "rebuilt: runs/soup/qa2_gates_break, probes in results/recipe/soup_qa2_gates_break_rebuilt/step040" in log
+    assert (
+        "rebuilt: runs/soup/qa2_gates_break, probes in results/recipe/soup_qa2_gates_break_rebuilt/step040"
+        in log
+    )
     assert "started the chain fast_soup_run (pid" in log
     assert "fast_soup_run is not done: the chain stopped" in log
     assert "fast_soup_run: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
