@@ -100,16 +100,16 @@ def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig)
             if n.endswith("cross_attn.gate") and id(p) in trainable:
                 rate[id(p)] = cfg.optim.gate_lr
     for part, lr in (cfg.optim.lr_by_name or {}).items():
-        named = [(n, p) for n, p in model.named_parameters() if part in n]
-        if not named:
+        matched = [p for n, p in model.named_parameters() if part in n]
+        if not matched:
             names = [n for n, p in model.named_parameters() if id(p) in trainable]
             raise ValueError(
                 f"optim.lr_by_name part {part!r} matches no parameter of the model; trainable names are like "
                 f"{names[:3]}: use a part of one of them"
             )
-        hits = [p for _, p in named if id(p) in trainable]
-        for p in hits:
-            rate.setdefault(id(p), float(lr))
+        for p in matched:
+            if id(p) in trainable:
+                rate.setdefault(id(p), float(lr))
     if not rate:
         return [{"params": params}]
     groups = [{"params": [p for p in params if id(p) not in rate]}]
