@@ -2,8 +2,8 @@
 # The probes every stage end of the recipe route gets (docs/TRAINING.md tables): the reported needle from
 # the encoder (needle_encoder.yaml), the copy probe, the validation needle with its answer NLL and the
 # validation perplexity (calibrate_context_scale.sh at scale 1), the second validation needle
-# (needle_val2.yaml), the third, in papers (needle_val3.yaml), the validation copy probe (copy_val.yaml) and the validation perplexity beyond the
-# length exponents' pivot (lm_val_long.yaml: 4K / 8K totals); with FULL=1 also ICL (2 + 4 / 2 + 8)
+# (needle_val2.yaml), the third, in papers (needle_val3.yaml), the validation copy probe (copy_val.yaml)
+# and the validation perplexity beyond the length exponents' pivot (lm_val_long.yaml: 4K / 8K totals); with FULL=1 also ICL (2 + 4 / 2 + 8)
 # and QA (k = 2 / 5 / 10). Results: results/recipe/NAME/stepNNN/. Run with nothing training on the same cores.
 # Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
 #        ADAPTER=DIR bash scripts/probe_stage.sh NAME STEP   (any adapter directory, e.g. an average of two)
