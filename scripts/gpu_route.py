@@ -25,6 +25,15 @@ corpora that ``bash scripts/setup.sh`` installs); ``--long none`` skips the cont
 
 Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--stages NAME ...] [--given NAME=PATH ...]
        [--average NAME STAGE STAGE ...] [--long NAME|none] [--parallel] [--no-probe] [--keep DIR] [--smoke]
+       [--probe-all [--probe-suffix SUFFIX]]
+       python scripts/gpu_route.py --minutes 2 --out DIR --export-rank N
+
+``--probe-all`` probes every stage this run trained (its last checkpoint, also one a deadline stopped)
+and every ``--given`` adapter at the same time, under ``NAME`` + ``--probe-suffix`` (the device's
+results apart from this CPU's), ranks them by validation cells (the three validation needles' 45
+cells, then the lower ``lm_val`` mean: :func:`validation_score`) into ``gpu_route.json``, and exports the
+best trained one. The probes need the corpora of ``device_kit.py pack-probes`` there. ``--export-rank N``
+only exports the N-th trained adapter of an earlier ``--probe-all`` call's ranking on this machine.
 
 ``--smoke`` runs the same stages on a tiny random 30-layer decoder with the default vocabulary (3 steps a
 stage, into runs/gpu_smoke/, no probes or export; an average is still written): a check that every stage
@@ -270,6 +279,67 @@ def probe(name: str, step: int, timeline: dict, adapter: Path | None = None) -> 
     )
 
 
+TOTALS = (2048, 4096, 8192)
+
+
+def validation_score(result: Path) -> tuple[float, float | None]:
+    """``(cells, lm_val)`` of a probe folder (results/recipe/NAME/stepNNN): the validation needles' cells
+    answered (the first needle's share at each total from ``calibrate.json``, the second's and third's
+    from their ``needle.json``; five depths a total, half answers count half; 45 in all) and the mean
+    of ``lm_val`` at 1K and 2K (``None`` where not written)."""
+    cells, lm = 0.0, None
+    cal = result / "calibrate.json"
+    if cal.is_file():
+        row = json.loads(cal.read_text())["rows"][0]
+        cells += sum(row.get(f"needle_{t}", 0.0) for t in TOTALS) / 100 * 5
+        if "lm_val_1024" in row and "lm_val_2048" in row:
+            lm = (row["lm_val_1024"] + row["lm_val_2048"]) / 2
+    for name in ("needle_val2", "needle_val3"):
+        path = result / name / "needle.json"
+        if path.is_file():
+            cells += (
+                sum(r["value"] for r in json.loads(path.read_text())["rows"] if r["method"] == "cepe") / 100
+            )
+    return cells, lm
+
+
+def rank(scores: dict[str, tuple[float, float | None]]) -> list[str]:
+    """Names by validation cells, most first; ties by the lower ``lm_val`` (a missing one last)."""
+    return sorted(scores, key=lambda n: (-scores[n][0], math.inf if scores[n][1] is None else scores[n][1]))
+
+
+def probe_many(items: list[tuple[str, int, Path]], deadline: float, timeline: dict) -> None:
+    """``scripts/probe_stage.sh`` for ``(name, step, adapter)`` items at the same time (one device; the
+    host's cores shared out), each stopped at the deadline; rows into ``timeline['probes']``."""
+    threads = str(max(1, (os.cpu_count() or 2) // max(1, len(items))))
+    running = []
+    for name, step, adapter in items:
+        env = {**os.environ, "ADAPTER": str(adapter), "OMP_NUM_THREADS": threads}
+        log = open(ROOT / "runs" / f"probe_{name}.log", "w")  # closed below, once the probe has ended
+        proc = subprocess.Popen(
+            ["bash", "scripts/probe_stage.sh", name, str(step)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        running.append((name, step, proc, log, time.time()))
+    for name, step, proc, log, t0 in running:
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+        text = (ROOT / "runs" / f"probe_{name}.log").read_text(errors="replace")
+        row = {"name": name, "step": step, "rc": rc, "seconds": round(time.time() - t0, 1)}
+        row["summary"] = text.strip().splitlines()[-12:]
+        timeline["probes"].append(row)
+        print(
+            f"[{time.time() - timeline['t0']:6.0f} s] probe {name}: rc {rc}, {row['seconds']} s", flush=True
+        )
+
+
 def export_int8(adapter: Path, dest: Path, name: str) -> list[str]:
     """``cepe export --quantize int8`` of ``adapter``, cut into pieces in ``dest``; the pieces' names."""
     tmp = dest / f".{name}.export"
@@ -288,6 +358,28 @@ def export_int8(adapter: Path, dest: Path, name: str) -> list[str]:
         names.append(piece.name)
     shutil.rmtree(tmp)
     return names
+
+
+def _end_step(runs: Path, name: str) -> tuple[int, Path]:
+    """A stage's last checkpoint step and adapter (its end, or where a deadline stopped it)."""
+    step = _last_step(runs / name)
+    return step, runs / name / f"checkpoints/step_{step:06d}/adapter"
+
+
+def export_ranked(n: int, out: Path) -> int:
+    """Export the ``n``-th trained adapter (1 = best) of the ranking an earlier ``--probe-all`` call wrote
+    on this machine (``runs/gpu_route_last.json``)."""
+    saved = ROOT / "runs" / "gpu_route_last.json"
+    if not saved.is_file():
+        raise SystemExit("error: no ranking here: run gpu_route.py --probe-all on this machine first")
+    trained = [r for r in json.loads(saved.read_text()).get("ranking", []) if r["trained"]]
+    if not 1 <= n <= len(trained):
+        raise SystemExit(f"error: --export-rank {n}: the ranking holds {len(trained)} trained adapters")
+    row = trained[n - 1]
+    out.mkdir(parents=True, exist_ok=True)
+    names = export_int8(ROOT / row["adapter"], out, row["name"])
+    print(json.dumps({"exported": names, **row}, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +408,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--smoke", action="store_true", help="tiny random decoder, 3 steps a stage, no probes or export"
     )
+    ap.add_argument(
+        "--probe-all",
+        action="store_true",
+        help="probe every trained stage and given adapter; export the best",
+    )
+    ap.add_argument("--probe-suffix", default="", help="appended to each name the probes write under")
+    ap.add_argument(
+        "--export-rank", type=int, default=None, metavar="N", help="export the N-th of an earlier --probe-all"
+    )
     args = ap.parse_args(argv)
+    if args.export_rank is not None:
+        return export_ranked(args.export_rank, args.out)
     if args.average is not None and len(args.average) < 3:
         raise SystemExit("error: --average takes a name and at least two stages")
     t0 = time.time()
@@ -353,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         "probes": [],
     }
     probing = not (args.smoke or args.no_probe)
-    reserve = 0 if args.smoke else (150 if probing else 60)  # seconds kept for the first probe and the export
+    # seconds kept for the probes and the export
+    reserve = 0 if args.smoke else (240 if args.probe_all else 150 if probing else 60)
     ok = True
     done_last = None
     for group in sibling_groups(stages, args.parallel):
@@ -417,6 +521,38 @@ def main(argv: list[str] | None = None) -> int:
         last = (name, steps_of(members[-1]))
         if probing:
             probe(*last, timeline, adapter=adapter)
+    if args.probe_all and not args.smoke:
+        items = [(f"{n}{args.probe_suffix}", *_end_step(runs, n)) for n in stages if _last_step(runs / n)]
+        items += [
+            (
+                f"{n}{args.probe_suffix}",
+                _steps(n) if (ROOT / f"configs/train/recipe/{n}.yaml").is_file() else 0,
+                p,
+            )
+            for n, p in given.items()
+        ]
+        probe_many(items, end - 45, timeline)
+        scores = {
+            name: validation_score(ROOT / "results/recipe" / name / f"step{step:03d}")
+            for name, step, _ in items
+        }
+        order = rank(scores)
+        trained = {f"{n}{args.probe_suffix}": n for n in stages}
+        timeline["ranking"] = [
+            {
+                "name": n,
+                "cells": round(scores[n][0], 1),
+                "lm_val": scores[n][1],
+                "trained": n in trained,
+                "adapter": os.path.relpath(next(a for m, _, a in items if m == n), ROOT),
+            }
+            for n in order
+        ]
+        best = next((n for n in order if n in trained), None)
+        if best:
+            step = next(st for m, st, _ in items if m == best)
+            last, adapter = (trained[best], step), None
+        ok = ok or best is not None
     if not ok and done_last:  # a stage failed: probe and export the last one that ended
         if probing:
             probe(*done_last, timeline)
@@ -426,12 +562,16 @@ def main(argv: list[str] | None = None) -> int:
         timeline["exported"] = export_int8(path, args.out, last[0])
     timeline["seconds"] = round(time.time() - t0, 1)
     (args.out / "gpu_route.json").write_text(json.dumps(timeline, indent=2))
+    if not args.smoke:
+        shutil.copy(args.out / "gpu_route.json", ROOT / "runs" / "gpu_route_last.json")
     names = stages + ([long] if long else []) + ([args.average[0]] if args.average else [])
+    names += [p["name"] for p in timeline["probes"] if p["name"] not in names]
     with tarfile.open(args.out / "results.tar.gz", "w:gz") as tar:
         for name in names:
             for p in (
                 ROOT / "results/recipe" / name,
                 runs / f"{name}.log",
+                ROOT / "runs" / f"probe_{name}.log",
                 runs / name / "status.json",
                 runs / name / "log.jsonl",
             ):

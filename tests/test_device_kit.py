@@ -5,7 +5,9 @@ device call sends and ``unslim`` puts the index back as it was."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 from conftest import load_script
@@ -108,3 +110,43 @@ def test_join_makes_an_adapter_directory_of_pieces_that_came_back(tmp_path):
     assert mod.main(["join", str(tmp_path / "soup"), str(tmp_path / "adapter")]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == payload
     assert (tmp_path / "adapter" / "cepe_config.json").is_file()
+
+
+def test_the_probes_part_unpacks_corpora_and_shims_beside_the_kit(tmp_path, monkeypatch):
+    """``pack-probes`` → ``install``: the packages land on the kit's site path and the Austen package in
+    the cache that env.sh names; ``cepe`` and ``python`` in the kit's bin run this interpreter."""
+    mod = load_script("device_kit")
+    lib = tmp_path / "lib"
+    (lib / "fakecorpus").mkdir(parents=True)
+    (lib / "fakecorpus" / "__init__.py").write_text("")
+    (lib / "fakecorpus" / "essay.txt").write_text("a haystack")
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.setenv("CEPE_CACHE", str(tmp_path / "cache_here"))
+    from cepe.data.corpora import corpora_dir
+
+    austen = corpora_dir() / "debian" / mod.PROBE_DEBIAN
+    (austen / "usr" / "data").mkdir(parents=True)
+    (austen / "usr" / "data" / "Rdata.rdx").write_bytes(b"\x01\x02")
+    kit, store = tmp_path / "kit", tmp_path / "store"
+    gguf = _gguf(tmp_path)
+    mod.pack(gguf, [], kit)
+    mod.pack_probes([], kit, packages=("fakecorpus",), debian=austen)
+    with pytest.raises(SystemExit, match="is not installed"):
+        mod.pack_probes([], kit, packages=("no_such_corpus_package",), debian=austen)
+    mod.pack_probes([], kit, packages=("fakecorpus",), debian=austen)
+    only_a, only_b, only_c = (tmp_path / f"call_{part}" for part in "abc")
+    for part, call in zip("abc", (only_a, only_b, only_c)):
+        shutil.copytree(kit / part, call / part)  # each call carries one part
+    assert mod.install(only_a, store) is False
+    assert mod.install(only_c, store) is False  # the probes' part in between: unpacked, b still to come
+    assert (store / "site" / "fakecorpus" / "essay.txt").read_text() == "a haystack"
+    rdx = store / "cache" / "corpora" / "debian" / mod.PROBE_DEBIAN / "usr" / "data" / "Rdata.rdx"
+    assert rdx.read_bytes() == b"\x01\x02"
+    assert mod.install(only_b, store) is True
+    env = (store / "env.sh").read_text()
+    assert f'CEPE_CACHE="{store / "cache"}"' in env and f'PATH="{store / "bin"}:' in env
+    out = subprocess.run(
+        [str(store / "bin" / "python"), "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True
+    )
+    assert out.stdout.strip() == sys.prefix  # the same interpreter, in its own environment
+    assert os.access(store / "bin" / "cepe", os.X_OK)

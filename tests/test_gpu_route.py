@@ -151,3 +151,56 @@ def test_stages_of_one_group_run_at_the_same_time(tmp_path, monkeypatch):
     assert mod.run_stages([("a", "cepe", []), ("b", "cepe", [])], tmp_path, time.time() + 60, tl)
     assert time.time() - t0 < 3.5  # together, not one after the other (4 s)
     assert [r["name"] for r in tl["stages"]] == ["a", "b"] and all(r["done"] for r in tl["stages"])
+
+
+def _probe_folder(root, name, val, val2, val3, lm):
+    """A probe folder as scripts/probe_stage.sh writes it: the first validation needle's share at each
+    total in calibrate.json, the second's and third's cells in their needle.json."""
+    d = root / name / "step040"
+    row = {f"needle_{t}": v for t, v in zip((2048, 4096, 8192), val)}
+    row.update({"lm_val_1024": lm[0], "lm_val_2048": lm[1]})
+    d.mkdir(parents=True)
+    (d / "calibrate.json").write_text(json.dumps({"rows": [row]}))
+    for sub, cells in (("needle_val2", val2), ("needle_val3", val3)):
+        (d / sub).mkdir()
+        rows = [{"method": "cepe", "value": v} for v in cells]
+        rows.append({"method": "truncated", "value": 100.0})  # another method's rows are not counted
+        (d / sub / "needle.json").write_text(json.dumps({"rows": rows}))
+    return d
+
+
+def test_validation_cells_count_half_answers_half_and_ties_go_to_lower_perplexity(tmp_path):
+    mod = load_script("gpu_route")
+    full = [100.0] * 15
+    a = _probe_folder(tmp_path, "a", (80, 100, 100), full, [100.0] * 10 + [50.0] * 5, (24.0, 21.6))
+    b = _probe_folder(tmp_path, "b", (100, 100, 80), full, [100.0] * 10 + [50.0] * 5, (22.0, 20.0))
+    c = _probe_folder(tmp_path, "c", (100, 100, 100), full, [100.0] * 10 + [0.0] * 5, (19.0, 17.0))
+    scores = {n: mod.validation_score(d) for n, d in (("a", a), ("b", b), ("c", c))}
+    assert scores["a"] == (14 + 15 + 12.5, 22.8)
+    assert scores["c"][0] == 15 + 15 + 10
+    assert mod.rank(scores) == ["b", "a", "c"]  # a and b tie on cells: b's lm_val is lower
+    assert mod.validation_score(tmp_path / "missing") == (0.0, None)
+    assert mod.rank({"x": (3.0, None), "y": (3.0, 30.0)}) == ["y", "x"]
+
+
+def test_export_rank_needs_a_ranking_and_a_trained_adapter_at_that_rank(tmp_path, monkeypatch):
+    mod = load_script("gpu_route")
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match="no ranking here"):
+        mod.export_ranked(1, tmp_path / "out")
+    (tmp_path / "runs").mkdir()
+    ranking = [
+        {"name": "start_h200", "trained": False, "adapter": "runs/given/start"},
+        {
+            "name": "gpu_a_h200",
+            "trained": True,
+            "adapter": "runs/recipe/gpu_a/checkpoints/step_000060/adapter",
+        },
+    ]
+    (tmp_path / "runs" / "gpu_route_last.json").write_text(json.dumps({"ranking": ranking}))
+    with pytest.raises(SystemExit, match="holds 1 trained"):
+        mod.export_ranked(2, tmp_path / "out")
+    seen = []
+    monkeypatch.setattr(mod, "export_int8", lambda path, out, name: seen.append((path, name)) or [name])
+    assert mod.export_ranked(1, tmp_path / "out") == 0
+    assert seen == [(tmp_path / ranking[1]["adapter"], "gpu_a_h200")]
