@@ -30,7 +30,7 @@ Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--stages NAME ...] [--
 
 ``--probe-all`` probes every stage this run trained (its last checkpoint, also one a deadline stopped)
 and every ``--given`` adapter at the same time, under ``NAME`` + ``--probe-suffix`` (the device's
-results apart from this CPU's), ranks them by validation cells (the three validation needles' 45
+results apart from this CPU's), ranks them by validation cells (the validation needles'
 cells, then the lower ``lm_val`` mean: :func:`validation_score`) into ``gpu_route.json``, and exports the
 best trained one. The probes need the corpora of ``device_kit.py pack-probes`` there. ``--export-rank N``
 only exports the N-th trained adapter of an earlier ``--probe-all`` call's ranking on this machine.
@@ -284,9 +284,9 @@ TOTALS = (2048, 4096, 8192)
 
 def validation_score(result: Path) -> tuple[float, float | None]:
     """``(cells, lm_val)`` of a probe folder (results/recipe/NAME/stepNNN): the validation needles' cells
-    answered (the first needle's share at each total from ``calibrate.json``, the second's and third's
-    from their ``needle.json``; five depths a total, half answers count half; 45 in all) and the mean
-    of ``lm_val`` at 1K and 2K (``None`` where not written)."""
+    answered (the first needle's share at each total from ``calibrate.json``, the others' from their
+    ``needle.json``; five depths a total, half answers count half; 15 a needle) and the mean of
+    ``lm_val`` at 1K and 2K (``None`` where not written)."""
     cells, lm = 0.0, None
     cal = result / "calibrate.json"
     if cal.is_file():
@@ -294,7 +294,7 @@ def validation_score(result: Path) -> tuple[float, float | None]:
         cells += sum(row.get(f"needle_{t}", 0.0) for t in TOTALS) / 100 * 5
         if "lm_val_1024" in row and "lm_val_2048" in row:
             lm = (row["lm_val_1024"] + row["lm_val_2048"]) / 2
-    for name in ("needle_val2", "needle_val3"):
+    for name in ("needle_val2", "needle_val3", "needle_val4"):
         path = result / name / "needle.json"
         if path.is_file():
             cells += (

@@ -2,7 +2,8 @@
 # The probes every stage end of the recipe route gets (docs/TRAINING.md tables): the reported needle from
 # the encoder (needle_encoder.yaml), the copy probe, the validation needle with its answer NLL and the
 # validation perplexity (calibrate_context_scale.sh at scale 1), the second validation needle
-# (needle_val2.yaml), the third, in papers (needle_val3.yaml), the validation copy probe (copy_val.yaml)
+# (needle_val2.yaml), the third, in papers (needle_val3.yaml), the fourth, in news, a domain no stage
+# trains on (needle_val4.yaml), the validation copy probe (copy_val.yaml)
 # and the validation perplexity beyond the length exponents' pivot (lm_val_long.yaml: 4K / 8K totals); with FULL=1 also ICL (2 + 4 / 2 + 8)
 # and QA (k = 2 / 5 / 10). Results: results/recipe/NAME/stepNNN/. Run with nothing training on the same cores.
 # Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
@@ -22,6 +23,7 @@ ev copy copy copy
 ICL_VAL=0 bash scripts/calibrate_context_scale.sh "$ADAPTER" "$OUT" 1 > "$OUT/calibrate.log" 2>&1
 ev needle needle_val2 needle_val2
 ev needle needle_val3 needle_val3
+ev needle needle_val4 needle_val4
 ev copy copy_val copy_val
 ev lm lm_val_long lm_val_long
 if [ "${FULL:-0}" = 1 ]; then
@@ -38,7 +40,7 @@ for r in rows:
 print("reported needle", {k: round(sum(v) / len(v)) for k, v in sorted(by.items())},
       "mean", round(sum(sum(v) for v in by.values()) / sum(len(v) for v in by.values())))
 print(open(f"{out}/calibrate.md").read().strip().splitlines()[-1])
-for name, what in (("needle_val2", "second"), ("needle_val3", "third")):
+for name, what in (("needle_val2", "second"), ("needle_val3", "third"), ("needle_val4", "fourth")):
     by = {}
     for r in json.load(open(f"{out}/{name}/needle.json"))["rows"]:
         by.setdefault(r["setting"]["total"], []).append(r["value"])

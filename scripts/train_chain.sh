@@ -24,6 +24,11 @@ if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev
 fi
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
+# the wider set (fast_soup_linux): the same split of the three corpora plus 1,000 kernel documentation files
+if (for n in "$@"; do grep -qs "runs/data/mini_linux" "configs/train/recipe/$n.yaml" && exit 0; done; exit 1); then
+  [ -f runs/data/mini_linux/summary.json ] || cepe prepare-data --corpora austen acl stdlib linux-docs --seed 1 \
+    --test-fraction 0.1 --retrieval-fraction 0.05 --max-docs 1000 --out runs/data/mini_linux --quiet
+fi
 run_chain() {
   for name in "$@"; do
     local cfg=configs/train/recipe/$name.yaml out=runs/recipe/$name

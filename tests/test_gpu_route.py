@@ -181,6 +181,10 @@ def test_validation_cells_count_half_answers_half_and_ties_go_to_lower_perplexit
     assert mod.rank(scores) == ["b", "a", "c"]  # a and b tie on cells: b's lm_val is lower
     assert mod.validation_score(tmp_path / "missing") == (0.0, None)
     assert mod.rank({"x": (3.0, None), "y": (3.0, 30.0)}) == ["y", "x"]
+    (c / "needle_val4").mkdir()  # the fourth needle, where a probe wrote it, counts as the others do
+    rows = [{"method": "cepe", "value": 100.0}] * 14 + [{"method": "cepe", "value": 50.0}]
+    (c / "needle_val4" / "needle.json").write_text(json.dumps({"rows": rows}))
+    assert mod.validation_score(c)[0] == 40 + 14.5
 
 
 def test_export_rank_needs_a_ranking_and_a_trained_adapter_at_that_rank(tmp_path, monkeypatch):
