@@ -258,6 +258,15 @@ def unslim(root: Path = ROOT) -> None:
     print(f"unslim: {', '.join(HEAVY)} tracked again")
 
 
+def _download_wheels(pins: tuple[str, ...], platform: list[str]) -> list[Path]:
+    """``pip download`` the pinned ``NAME==VERSION`` wheels (no dependencies) into ``.device_kit_wheels``
+    with the ``platform`` options; their paths."""
+    dl = KIT.parent / ".device_kit_wheels"
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dl)]
+    subprocess.run([*pip, *platform, *pins], check=True)
+    return [next(dl.glob(f"{w.split('==')[0]}-{w.split('==')[1]}-*.whl")) for w in pins]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -290,19 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             d, name = default_decoder_gguf()
             gguf = d / name
         wheels = a.wheel
-        if wheels is None:
-            dl = KIT.parent / ".device_kit_wheels"
-            pip = [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-d",
-                str(dl),
-            ]
+        if wheels is None:  # the device runs Python 3.12 on x86-64
             plat = [
                 "--python-version",
                 "3.12",
@@ -311,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--platform",
                 "manylinux2014_x86_64",
             ]
-            subprocess.run([*pip, *plat, *WHEELS], check=True)
-            wheels = [next(dl.glob(f"{w.split('==')[0]}-{w.split('==')[1]}-*.whl")) for w in WHEELS]
+            wheels = _download_wheels(WHEELS, plat)
         m = pack(gguf, wheels)
         files = _git(ROOT, "ls-files", "-z").split("\0")
         tree = sum(
@@ -331,20 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         print(f"packed {m['gguf']} into .device_kit/a and .device_kit/b")
     elif a.cmd == "pack-probes":
-        dl = KIT.parent / ".device_kit_wheels"
-        pip = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            str(dl),
-        ]
-        subprocess.run([*pip, *PROBE_WHEELS], check=True)
-        wheels = [next(dl.glob(f"{w.split('==')[0]}-{w.split('==')[1]}-*.whl")) for w in PROBE_WHEELS]
+        wheels = _download_wheels(PROBE_WHEELS, [])  # pure Python: any platform's wheel
         out = pack_probes(wheels)
         print(f"packed the probes' corpora: {_size(KIT / 'c') / 2**20:.1f} MiB in .device_kit/c ({out.name})")
     elif a.cmd == "install":
