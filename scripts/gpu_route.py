@@ -259,24 +259,11 @@ def sibling_groups(stages: list[str], parallel: bool) -> list[list[str]]:
 
 def probe(name: str, step: int, timeline: dict, adapter: Path | None = None) -> None:
     """``scripts/probe_stage.sh NAME STEP`` (ICL and QA: FULL=1 later, where time is cheaper); ``adapter``
-    probes that directory under the name (an average)."""
+    probes that directory under the name (an average). Its output is printed."""
     if any(p["rc"] for p in timeline["probes"]):  # the evaluation assets are missing: do not spend time again
         return
-    t0 = time.time()
-    env = {**os.environ, "ADAPTER": str(adapter)} if adapter else None
-    proc = subprocess.run(
-        ["bash", "scripts/probe_stage.sh", name, str(step)], cwd=ROOT, capture_output=True, text=True, env=env
-    )
-    print(proc.stdout[-3000:] + proc.stderr[-2000:], flush=True)
-    timeline["probes"].append(
-        {
-            "name": name,
-            "step": step,
-            "rc": proc.returncode,
-            "seconds": round(time.time() - t0, 1),
-            "summary": proc.stdout.strip().splitlines()[-12:],
-        }
-    )
+    probe_many([(name, step, adapter)], math.inf, timeline)
+    print((ROOT / "runs" / f"probe_{name}.log").read_text(errors="replace")[-5000:], flush=True)
 
 
 TOTALS = (2048, 4096, 8192)
@@ -308,13 +295,15 @@ def rank(scores: dict[str, tuple[float, float | None]]) -> list[str]:
     return sorted(scores, key=lambda n: (-scores[n][0], math.inf if scores[n][1] is None else scores[n][1]))
 
 
-def probe_many(items: list[tuple[str, int, Path]], deadline: float, timeline: dict) -> None:
+def probe_many(items: list[tuple[str, int, Path | None]], deadline: float, timeline: dict) -> None:
     """``scripts/probe_stage.sh`` for ``(name, step, adapter)`` items at the same time (one device; the
-    host's cores shared out), each stopped at the deadline; rows into ``timeline['probes']``."""
+    host's cores shared out; adapter None: the stage's own checkpoint), each stopped with its evaluations
+    at the deadline; logs ``runs/probe_NAME.log``, rows into ``timeline['probes']``."""
     threads = str(max(1, (os.cpu_count() or 2) // max(1, len(items))))
     running = []
     for name, step, adapter in items:
-        env = {**os.environ, "ADAPTER": str(adapter), "OMP_NUM_THREADS": threads}
+        env = {**os.environ, "OMP_NUM_THREADS": threads, **({"ADAPTER": str(adapter)} if adapter else {})}
+        (ROOT / "runs").mkdir(exist_ok=True)
         log = open(ROOT / "runs" / f"probe_{name}.log", "w")  # closed below, once the probe has ended
         proc = subprocess.Popen(
             ["bash", "scripts/probe_stage.sh", name, str(step)],
@@ -322,13 +311,14 @@ def probe_many(items: list[tuple[str, int, Path]], deadline: float, timeline: di
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            start_new_session=True,  # its own process group: a stop at the deadline ends its evaluations too
         )
         running.append((name, step, proc, log, time.time()))
     for name, step, proc, log, t0 in running:
         try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.time()))
+            rc = proc.wait(timeout=None if math.isinf(deadline) else max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
         log.close()
         text = (ROOT / "runs" / f"probe_{name}.log").read_text(errors="replace")
@@ -549,10 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in order
         ]
         best = next((n for n in order if n in trained), None)
-        if best:
+        if best:  # the best trained adapter is the one exported, also where a stage failed
             step = next(st for m, st, _ in items if m == best)
-            last, adapter = (trained[best], step), None
-        ok = ok or best is not None
+            last, adapter, done_last = (trained[best], step), None, None
     if not ok and done_last:  # a stage failed: probe and export the last one that ended
         if probing:
             probe(*done_last, timeline)

@@ -208,3 +208,28 @@ def test_export_rank_needs_a_ranking_and_a_trained_adapter_at_that_rank(tmp_path
     monkeypatch.setattr(mod, "export_int8", lambda path, out, name: seen.append((path, name)) or [name])
     assert mod.export_ranked(1, tmp_path / "out") == 0
     assert seen == [(tmp_path / ranking[1]["adapter"], "gpu_a_h200")]
+
+
+def test_probes_run_together_and_a_deadline_ends_each_with_its_evaluations(tmp_path, monkeypatch):
+    """probe_many: a probe that ends writes its row; one past the deadline is killed with the processes
+    it started (its evaluations), not only the shell that runs it."""
+    import subprocess
+
+    mod = load_script("gpu_route")
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "probe_stage.sh").write_text(
+        'if [ "$1" = quick ]; then echo "summary of $1 at $ADAPTER"; exit 0; fi\n'
+        'sleep 60 & echo $! > "child_$1"; wait\n'
+    )
+    tl = _timeline()
+    t0 = time.time()
+    mod.probe_many([("quick", 40, tmp_path / "a"), ("slow", 40, None)], time.time() + 2, tl)
+    assert time.time() - t0 < 30
+    rows = {r["name"]: r for r in tl["probes"]}
+    assert rows["quick"]["rc"] == 0 and rows["quick"]["summary"] == [f"summary of quick at {tmp_path / 'a'}"]
+    assert rows["slow"]["rc"] != 0
+    child = int((tmp_path / "child_slow").read_text())
+    time.sleep(0.2)
+    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout
+    assert gone.strip() in ("", "Z"), f"the probe's evaluation {child} outlived the deadline"
