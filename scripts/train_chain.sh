@@ -25,9 +25,15 @@ fi
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
 # the wider set (fast_soup_linux): the same split of the three corpora plus 1,000 kernel documentation files
-if (for n in "$@"; do grep -qs "runs/data/mini_linux" "configs/train/recipe/$n.yaml" && exit 0; done; exit 1); then
+names_set() { for n in "${@:2}"; do grep -qsE "$1" "configs/train/recipe/$n.yaml" && return 0; done; return 1; }
+if names_set 'runs/data/mini_linux([^_]|$)' "$@"; then
   [ -f runs/data/mini_linux/summary.json ] || cepe prepare-data --corpora austen acl stdlib linux-docs --seed 1 \
     --test-fraction 0.1 --retrieval-fraction 0.05 --max-docs 1000 --out runs/data/mini_linux --quiet
+fi
+# all 3,183 kernel documentation files (fast_soup_linux2), the same split of every document
+if names_set 'runs/data/mini_linux_all' "$@"; then
+  [ -f runs/data/mini_linux_all/summary.json ] || cepe prepare-data --corpora austen acl stdlib linux-docs --seed 1 \
+    --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini_linux_all --quiet
 fi
 run_chain() {
   for name in "$@"; do

@@ -163,3 +163,38 @@ def test_the_rebuild_refuses_an_unknown_route(tmp_path):
     )
     assert proc.returncode == 2 and "usage: bash scripts/rebuild_choice.sh [run]" in proc.stderr
     assert not (root / "runs/recipe/rebuild.log").exists()
+
+
+@pytest.mark.parametrize(
+    ("stages", "prepared"),
+    [
+        (["fast_warmup"], []),
+        (["fast_soup_linux"], ["mini_linux"]),
+        (["fast_soup_linux2", "fast_soup_linux2_run"], ["mini_linux_all"]),
+        (["fast_soup_linux", "fast_soup_linux2"], ["mini_linux", "mini_linux_all"]),
+    ],
+)
+def test_the_chain_prepares_the_wider_sets_its_stages_name_and_no_other(tmp_path, stages, prepared):
+    """A stage whose config names ``runs/data/mini_linux`` gets the first 1,000 kernel documents, one that
+    names ``runs/data/mini_linux_all`` all of them; a name that only begins like another does not count."""
+    root = _with_stand_in_cepe(tmp_path, 0)
+    calls = root / "calls.txt"
+    (root / "fakebin/cepe").write_text(
+        f'#!/usr/bin/env bash\necho "$*" >> {calls}\n[ "$1" = prepare-data ] && exit 0\nexit 143\n'
+    )
+    proc = subprocess.run(
+        ["bash", "scripts/train_chain.sh", *stages], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/chain.pid")
+    made = [
+        line.split("--out runs/data/")[1].split()[0]
+        for line in calls.read_text().splitlines()
+        if line.startswith("prepare-data")
+    ]
+    assert made == prepared
+    for line in calls.read_text().splitlines():
+        if "--out runs/data/mini_linux " in line + " ":
+            assert "--max-docs 1000" in line
+        if "mini_linux_all" in line and line.startswith("prepare-data"):
+            assert "--max-docs" not in line
