@@ -42,6 +42,9 @@ SOUPS = {
     ]
     for route in ("", "_run")
 }
+SOUPS["runs/soup/linux_linux2"] = [  # fast_soup_ll_run's start ("All the kernel documentation, ...")
+    f"runs/recipe/{s}/checkpoints/step_000040/adapter" for s in ("fast_soup_linux", "fast_soup_linux2")
+]
 
 
 def _cfg(name: str, out: Path, **over):
