@@ -24,9 +24,20 @@ if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev
 fi
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
-# the wider set (fast_soup_linux): the same split of the three corpora plus 1,000 kernel documentation files
-names_set() { for n in "${@:2}"; do grep -qsE "$1" "configs/train/recipe/$n.yaml" && return 0; done; return 1; }
-if names_set 'runs/data/mini_linux([^_]|$)' "$@"; then
+# the wider set (fast_soup_linux): the same split of the three corpora plus 1,000 kernel documentation files.
+# A stage's set is the `corpus:` its config gives, or the one the config it extends gives, and so on.
+stage_corpus() {
+  local f=configs/train/recipe/$1.yaml c e
+  while [ -f "$f" ]; do
+    c=$(grep -v '^ *#' "$f" | grep -oE 'corpus: *runs/data/[A-Za-z0-9_]+' | head -1 | sed 's/^corpus: *//')
+    if [ -n "$c" ]; then echo "$c"; return; fi
+    e=$(sed -n 's/^extends: *//p' "$f" | head -1)
+    [ -n "$e" ] || return 0
+    f=$(dirname "$f")/$e
+  done
+}
+names_set() { for n in "${@:2}"; do stage_corpus "$n" | grep -qsE "^$1$" && return 0; done; return 1; }
+if names_set 'runs/data/mini_linux' "$@"; then
   [ -f runs/data/mini_linux/summary.json ] || cepe prepare-data --corpora austen acl stdlib linux-docs --seed 1 \
     --test-fraction 0.1 --retrieval-fraction 0.05 --max-docs 1000 --out runs/data/mini_linux --quiet
 fi

@@ -172,11 +172,13 @@ def test_the_rebuild_refuses_an_unknown_route(tmp_path):
         (["fast_soup_linux"], ["mini_linux"]),
         (["fast_soup_linux2", "fast_soup_linux2_run"], ["mini_linux_all"]),
         (["fast_soup_linux", "fast_soup_linux2"], ["mini_linux", "mini_linux_all"]),
+        (["fast_soup_linux_all"], ["mini_linux_all"]),  # its own set, not the extended config's
     ],
 )
 def test_the_chain_prepares_the_wider_sets_its_stages_name_and_no_other(tmp_path, stages, prepared):
-    """A stage whose config names ``runs/data/mini_linux`` gets the first 1,000 kernel documents, one that
-    names ``runs/data/mini_linux_all`` all of them; a name that only begins like another does not count."""
+    """A stage whose set (its config's ``corpus``, else the one of the config it extends) is
+    ``runs/data/mini_linux`` gets the first 1,000 kernel documents, one whose set is
+    ``runs/data/mini_linux_all`` all of them; a name that only begins like another does not count."""
     root = _with_stand_in_cepe(tmp_path, 0)
     calls = root / "calls.txt"
     (root / "fakebin/cepe").write_text(
@@ -198,3 +200,25 @@ def test_the_chain_prepares_the_wider_sets_its_stages_name_and_no_other(tmp_path
             assert "--max-docs 1000" in line
         if "mini_linux_all" in line and line.startswith("prepare-data"):
             assert "--max-docs" not in line
+
+
+def test_a_stage_gets_the_set_of_the_config_it_extends_and_comments_do_not_count(tmp_path):
+    """A config without a ``corpus`` of its own trains on the one of the config it extends (two levels up
+    here); a set named only in a comment is not prepared."""
+    root = _with_stand_in_cepe(tmp_path, 0)
+    recipe = root / "configs/train/recipe"
+    (recipe / "child_a.yaml").write_text("extends: fast_soup_linux.yaml\noutput_dir: runs/recipe/child_a\n")
+    (recipe / "child_b.yaml").write_text(
+        "# not runs/data/mini_linux_all: corpus: runs/data/mini_linux_all\nextends: child_a.yaml\n"
+    )
+    calls = root / "calls.txt"
+    (root / "fakebin/cepe").write_text(
+        f'#!/usr/bin/env bash\necho "$*" >> {calls}\n[ "$1" = prepare-data ] && exit 0\nexit 143\n'
+    )
+    proc = subprocess.run(
+        ["bash", "scripts/train_chain.sh", "child_b"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/chain.pid")
+    made = [line for line in calls.read_text().splitlines() if line.startswith("prepare-data")]
+    assert len(made) == 1 and "--out runs/data/mini_linux " in made[0] + " "
