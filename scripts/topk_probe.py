@@ -20,7 +20,7 @@ import torch
 
 import cepe.cross_attention as ca
 from cepe.cli import main as cepe_main
-from cepe.layers import repeat_kv
+from cepe.layers import attention_ref, repeat_kv
 
 
 def topk_attention(
@@ -36,19 +36,20 @@ def topk_attention(
     """:func:`cepe.layers.attention_ref` with each row's softmax over its ``topk`` largest scores only.
 
     q ``(N, H, T, hd)``; k, v ``(N, KV, S, hd)``; key_mask ``(N, S)`` or None; bias ``(N, H, T, S)`` or None.
-    Ties at the k-th score keep every tied key. Returns ``(N, H, T, hd)``.
+    The scores are the reference's (with ``bias``, masked keys out); every key below a row's k-th score
+    gets ``-inf`` added to its bias (ties at the k-th keep every tied key). Returns ``(N, H, T, hd)``.
     """
-    groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()
+    if k.shape[2] <= topk:
+        return attention_ref(q, k, v, key_mask, scale, bias)
+    kr = repeat_kv(k, q.shape[1] // k.shape[1])
+    scores = (torch.matmul(q, kr.transpose(-1, -2)) * scale).float()
     if bias is not None:
         scores = scores + bias
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    if scores.shape[-1] > topk:
-        kth = torch.topk(scores, topk, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    kth = torch.topk(scores, topk, dim=-1).values[..., -1:]
+    cut = torch.zeros_like(scores).masked_fill(scores < kth, float("-inf"))
+    return attention_ref(q, k, v, key_mask, scale, cut if bias is None else bias + cut)
 
 
 def install(topk: int) -> None:
