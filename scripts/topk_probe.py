@@ -2,7 +2,7 @@
 
 A probe, not a model option: it runs any ``cepe eval ...`` command line with every cross-attention layer's
 softmax restricted to the ``--topk`` largest scores of each query and head (the null key and the run
-biases included, as the adapter computes its scores; Unlimiformer-style k-nearest-neighbour attention),
+biases included, as the adapter computes its scores; k-nearest-neighbour attention),
 through the plain reference kernel. The adapter's weights are untouched; the self-attention and the
 encoder's own attention are unchanged.
 
