@@ -3,8 +3,8 @@
 A probe, not a model option: it runs any ``cepe eval ...`` command line with CEPE's greedy generation
 choosing, at every step, the token that maximises ``(1 + alpha) · log p(y | context, x) − alpha · log p(y | x)``
 among the tokens whose probability with the context is at least ``--plausibility`` times the most likely
-one's (context-aware decoding, with the plausibility cut of contrastive decoding). ``p(y | x)`` is the same model with no context: exactly the frozen decoder on its own window
-(the invariant the tests hold). Where the decoder alone and CEPE agree nothing changes; where the decoder's
+one's (context-aware decoding, with the plausibility cut of contrastive decoding). ``p(y | x)`` is the
+same model with no context: exactly the frozen decoder on its own window (the invariant the tests hold). Where the decoder alone and CEPE agree nothing changes; where the decoder's
 own window pulls the answer away from what the encoder holds (a sentence of the window copied instead of
 the needle, a full stop where the needle goes on) the context's side is weighed up. Scores (perplexity,
 answer NLL) are unchanged: only ``generate`` is.
