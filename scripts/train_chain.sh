@@ -29,7 +29,7 @@ fi
 stage_corpus() {
   local f=configs/train/recipe/$1.yaml c e
   while [ -f "$f" ]; do
-    c=$(grep -v '^ *#' "$f" | grep -oE 'corpus: *runs/data/[A-Za-z0-9_]+' | head -1 | sed 's/^corpus: *//')
+    c=$(grep -v '^ *#' "$f" | grep -oE 'corpus: *runs/data/[A-Za-z0-9_]+' | head -1 | sed 's/^corpus: *//' || true)
     if [ -n "$c" ]; then echo "$c"; return; fi
     e=$(sed -n 's/^extends: *//p' "$f" | head -1)
     [ -n "$e" ] || return 0
