@@ -33,7 +33,10 @@ class EncoderConfig:
     The encoder shares the decoder's vocabulary; ``vocab_size`` may exceed the decoder's by one extra
     ``[MASK]`` token used only by masked-LM pre-training (``mask_token_id``). ``causal`` runs each chunk
     left-to-right instead of bidirectionally (as the decoder itself reads text; an option for encoders
-    built from the decoder's own layers, see :func:`encoder_config_from_decoder`).
+    built from the decoder's own layers, see :func:`encoder_config_from_decoder`). ``output_size`` adds a
+    learned down-projection (``out_proj``, no bias) after the final norm, so that Φ, what the ``states``
+    and ``absorbed`` caches and the context store keep per token, has that width instead of
+    ``hidden_size`` (None: no projection); see :attr:`state_size`.
     """
 
     vocab_size: int
@@ -48,6 +51,7 @@ class EncoderConfig:
     mask_token_id: int | None = None
     initializer_range: float = 0.02
     causal: bool = False
+    output_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -79,11 +83,21 @@ class EncoderConfig:
             f"num_key_value_heads {self.num_key_value_heads}",
         )
         check(self.head_dim % 2 == 0, f"encoder head_dim must be even for RoPE, got {self.head_dim}")
+        check(
+            self.output_size is None or 0 < int(self.output_size) <= self.hidden_size,
+            f"encoder output_size (the width of Φ after the down-projection) must be in 1..hidden_size "
+            f"({self.hidden_size}), or null for no projection; got {self.output_size}",
+        )
         if self.mask_token_id is not None:
             check(
                 0 <= self.mask_token_id < self.vocab_size,
                 f"mask_token_id {self.mask_token_id} outside the encoder vocabulary ({self.vocab_size})",
             )
+
+    @property
+    def state_size(self) -> int:
+        """D_enc, the width of Φ: ``output_size`` with a down-projection, else ``hidden_size``."""
+        return int(self.output_size or self.hidden_size)
 
 
 @dataclass
@@ -351,11 +365,12 @@ def _rope_theta(decoder_config: Any) -> float:
 
 
 def encoder_config_from_decoder(
-    decoder_config: Any, num_layers: int = 4, causal: bool = False
+    decoder_config: Any, num_layers: int = 4, causal: bool = False, output_size: int | None = None
 ) -> EncoderConfig:
     """An encoder with the decoder's own layer shape (width, heads, MLP, RoPE), ``num_layers`` deep, reading
     the decoder's vocabulary through its embeddings (no ``[MASK]`` token): the architecture that
     :meth:`cepe.CepeForCausalLM.init_encoder_from_decoder` fills with the decoder's first layers.
+    ``output_size``: Φ's width after a learned down-projection (None: the decoder's width).
 
     Raises:
         ValueError: a decoder family whose layers differ from the encoder's (biases, other norms or
@@ -388,6 +403,7 @@ def encoder_config_from_decoder(
         rms_norm_eps=float(getattr(decoder_config, "rms_norm_eps", 1e-5) or 1e-5),
         rope_theta=_rope_theta(decoder_config),
         causal=bool(causal),
+        output_size=None if output_size is None else int(output_size),
     )
 
 

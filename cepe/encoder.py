@@ -4,7 +4,8 @@ A Llama-style transformer (RMSNorm, RoPE, SwiGLU) without a causal mask. Weight 
 released checkpoints (``embed_tokens``, ``layers.{j}.self_attn.{q,k,v,o}_proj``, ``layers.{j}.mlp.*``,
 ``layers.{j}.{input,post_attention}_layernorm``, ``norm``).
 
-Shape legend: B batch, K chunks, L chunk length, S = K·L, N = chunks in one encoder call, D = hidden size.
+Shape legend: B batch, K chunks, L chunk length, S = K·L, N = chunks in one encoder call, D = hidden size,
+D_enc = the width of Φ (D, or ``EncoderConfig.output_size`` with a down-projection).
 """
 
 from __future__ import annotations
@@ -128,6 +129,11 @@ class ContextEncoder(nn.Module):
             self.__dict__["_shared_embeddings"] = shared_embeddings  # not registered: not ours to save
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the learned down-projection D -> D_enc (``EncoderConfig.output_size``): Φ is narrower than the
+        # encoder, so the caches that keep Φ keep less per context token
+        self.out_proj = (
+            nn.Linear(cfg.hidden_size, cfg.output_size, bias=False) if cfg.output_size is not None else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -143,15 +149,19 @@ class ContextEncoder(nn.Module):
         shared = self.__dict__.get("_shared_embeddings")
         return self.embed_tokens(input_ids) if shared is None else shared(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, project: bool = True
+    ) -> torch.Tensor:
         """Encode a batch of chunks.
 
         Args:
             input_ids: ``(N, L)`` token ids.
             attention_mask: ``(N, L)``, nonzero/True on real tokens; every row needs one real token.
+            project: apply the down-projection (when there is one); False gives the ``(N, L, D)`` states
+                before it.
 
         Returns:
-            Last hidden states after the final norm, ``(N, L, D)``.
+            Φ: the last hidden states after the final norm (and the down-projection), ``(N, L, D_enc)``.
         """
         x = self.embed(input_ids).to(self.norm.weight.dtype)
         cos, sin = rope_cos_sin(
@@ -167,7 +177,8 @@ class ContextEncoder(nn.Module):
                 )
             else:
                 x = layer(x, cos, sin, key_mask, self.attn_implementation)
-        return self.norm(x)
+        x = self.norm(x)
+        return x if self.out_proj is None or not project else self.out_proj(x)
 
     def encode_chunks(
         self,
@@ -197,7 +208,7 @@ class ContextEncoder(nn.Module):
         dtype = self.norm.weight.dtype
         if torch.is_autocast_enabled(ids.device.type):
             dtype = torch.get_autocast_dtype(ids.device.type)
-        states = torch.zeros(b * k, length, self.config.hidden_size, dtype=dtype, device=ids.device)
+        states = torch.zeros(b * k, length, self.config.state_size, dtype=dtype, device=ids.device)
         live = mask.any(-1).nonzero().flatten()  # chunks with at least one real token
         if in_place is None:
             in_place = not torch.is_grad_enabled()
@@ -218,8 +229,8 @@ class ContextEncoder(nn.Module):
 class EncoderForMaskedLM(nn.Module):
     """The encoder with a masked-LM head, for pre-training (the head is dropped inside CEPE).
 
-    Head names follow the released MLM encoder: ``lm_dense`` (D→D, bias), GELU, ``lm_layer_norm``,
-    ``lm_head`` (D→V, bias).
+    Head names follow the released MLM encoder: ``lm_dense`` (D_enc→D_enc, bias), GELU, ``lm_layer_norm``,
+    ``lm_head`` (D_enc→V, bias).
     """
 
     def __init__(self, cfg: EncoderConfig, attn_implementation: str = "sdpa") -> None:
@@ -227,9 +238,10 @@ class EncoderForMaskedLM(nn.Module):
         if cfg.mask_token_id is None:
             raise ValueError("masked-LM pre-training needs EncoderConfig.mask_token_id")
         self.encoder = ContextEncoder(cfg, attn_implementation)
-        self.lm_dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.lm_layer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        d = cfg.state_size  # the head reads Φ, after the down-projection when there is one
+        self.lm_dense = nn.Linear(d, d)
+        self.lm_layer_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size)
         for m in (self.lm_dense, self.lm_head):
             nn.init.normal_(m.weight, std=cfg.initializer_range)
             nn.init.zeros_(m.bias)
@@ -242,7 +254,7 @@ class EncoderForMaskedLM(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Returns ``(loss, logits)``; logits ``(M, V)`` only at positions with ``labels != -100``
         when labels are given (fp32 loss), else ``(N, L, V)``."""
-        h = self.encoder(input_ids, attention_mask)  # (N, L, D)
+        h = self.encoder(input_ids, attention_mask)  # (N, L, D_enc)
         if labels is not None:
             sel = labels != -100
             h = h[sel]

@@ -1,7 +1,7 @@
 """``CepeForCausalLM``: a frozen Hugging Face decoder plus a context encoder and cross-attention.
 
 Shape legend: B batch, K chunks, L chunk length, S = K·L encoder tokens, T decoder tokens, V vocabulary,
-D_enc encoder width.
+D_enc the width of Φ (the encoder's, or its down-projection's).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class CepeForCausalLM(nn.Module):
         attach_cross_attention(
             decoder,
             self.cross_layers,
-            cepe_config.encoder.hidden_size,
+            cepe_config.encoder.state_size,
             self._slot,
             gated=cepe_config.init_mode == "gate",
             null_key=cepe_config.null_key,
@@ -126,7 +126,8 @@ class CepeForCausalLM(nn.Module):
     def init_cross_attention(self, mode: str = "zero") -> None:
         """(Re-)initialise every cross-attention from its layer's self-attention (see
         :meth:`CrossAttention.init_from_self_attention`): the query norm from the layer's pre-MLP norm
-        (the released code), or with ``mirror_self_attention`` from ``input_layernorm``, folded into k/v."""
+        (the released code), or with ``mirror_self_attention`` from ``input_layernorm``, folded into k/v;
+        then, with a down-projection of Φ, that projection and k/v (:meth:`init_projection`)."""
         family = family_of(self.decoder)
         layers = decoder_layers(self.decoder)
         mirror = self.cepe_config.mirror_self_attention
@@ -142,6 +143,66 @@ class CepeForCausalLM(nn.Module):
             layer.cross_attn.init_from_self_attention(
                 layer.self_attn, mode, norm=fold if mirror else pre_mlp, fold=fold
             )
+        self.init_projection()
+
+    @torch.no_grad()
+    def init_projection(self, second_moment: torch.Tensor | None = None) -> None:
+        """Initialise the encoder's down-projection (``encoder.output_size``) and every cross-attention's
+        k/v from the layers' self-attention k/v maps (folded as :meth:`init_cross_attention` folds them), so
+        that ``k_proj(out_proj(x))`` is the best rank-``output_size`` approximation of the full-width maps,
+        jointly over layers (:func:`projection_init`); q, o_proj and the gates are left as they are.
+
+        Args:
+            second_moment: ``(D, D)`` E[x xᵀ] of the encoder's full-width states (:meth:`fit_projection`):
+                the approximation is then best on such states rather than on every direction alike.
+
+        Does nothing without a projection, or when the encoder is narrower than the decoder (the
+        projection then keeps its random init and k/v their first columns, as without one).
+        """
+        enc = self.cepe_config.encoder
+        if enc.output_size is None or enc.hidden_size != int(self.decoder.config.hidden_size):
+            return
+        family = family_of(self.decoder)
+        layers = decoder_layers(self.decoder)
+        maps = []
+        for i in self.cross_layers:
+            attn = layers[i].self_attn
+            fold = norm_scale(getattr(layers[i], family.residual_tap))
+            for w in (attn.k_proj.weight, attn.v_proj.weight):
+                maps.append(w * fold.to(w.dtype) if self.cepe_config.mirror_self_attention else w)
+        proj, new = projection_init(maps, enc.output_size, second_moment)
+        self.encoder.out_proj.weight.copy_(proj)
+        for j, i in enumerate(self.cross_layers):
+            cross = layers[i].cross_attn
+            cross.k_proj.weight.copy_(new[2 * j])
+            cross.v_proj.weight.copy_(new[2 * j + 1])
+
+    @torch.no_grad()
+    def fit_projection(
+        self, encoder_input_ids: torch.Tensor, encoder_attention_mask: torch.Tensor | None = None
+    ) -> None:
+        """:meth:`init_projection` fitted to the encoder's states on these chunks ``(B, K, L)``: the
+        projection keeps what k/v read from such text (real tokens only; a few thousand tokens suffice)."""
+        if self.encoder.out_proj is None:
+            raise ValueError("fit_projection needs a down-projection: set encoder.output_size")
+        b, k, length = encoder_input_ids.shape
+        ids = encoder_input_ids.reshape(b * k, length)
+        mask = (
+            None if encoder_attention_mask is None else encoder_attention_mask.reshape(b * k, length).bool()
+        )
+        dim = self.cepe_config.encoder.hidden_size
+        moment = torch.zeros(dim, dim, dtype=torch.float64, device=ids.device)
+        count = 0
+        step = self.cepe_config.encoder_micro_batch
+        for start in range(0, ids.shape[0], step):
+            sub_mask = None if mask is None else mask[start : start + step]
+            x = self.encoder(ids[start : start + step], sub_mask, project=False).double()  # (N, L, D)
+            x = x.reshape(-1, dim) if sub_mask is None else x[sub_mask]
+            moment += x.T @ x
+            count += x.shape[0]
+        if count == 0:
+            raise ValueError("fit_projection got no real token in its chunks")
+        self.init_projection(moment / count)
 
     @torch.no_grad()
     def init_encoder_from_decoder(self) -> None:
@@ -366,9 +427,9 @@ class CepeForCausalLM(nn.Module):
             if encoder_input_ids is not None:
                 raise ValueError("give encoder_input_ids or encoder_hidden_states, not both")
             states = encoder_hidden_states
-            if states.dim() != 3 or states.shape[-1] != self.cepe_config.encoder.hidden_size:
+            if states.dim() != 3 or states.shape[-1] != self.cepe_config.encoder.state_size:
                 raise ValueError(
-                    f"encoder_hidden_states must be (B, S, {self.cepe_config.encoder.hidden_size}), "
+                    f"encoder_hidden_states must be (B, S, {self.cepe_config.encoder.state_size}), "
                     f"got {tuple(states.shape)}"
                 )
             mask = None
@@ -720,6 +781,36 @@ class CepeForCausalLM(nn.Module):
             f"{path} holds neither a cepe adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) nor a released "
             "CEPE checkpoint (config.json with encoder_config)"
         )
+
+
+def projection_init(
+    maps: list[torch.Tensor], rank: int, second_moment: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A rank-``rank`` factorisation of linear maps that share their input: ``W_i ≈ A_i P``.
+
+    With ``W`` the maps ``(d_out_i, D)`` stacked by rows and ``Σ`` the inputs' second moment (identity when
+    None), ``W Σ^½ = U S Vᵀ`` gives ``P = S_r⁻¹ U_rᵀ W`` ``(rank, D)`` and ``A = U_r S_r`` (split by rows):
+    ``E‖(W − A P) x‖²`` is the smallest a rank-``rank`` map gives (the tail of ``S²``), and ``P x`` has the
+    second moment ``I`` on such inputs. With ``Σ = I``, ``P`` is the top right singular vectors of ``W``
+    (orthonormal rows) and ``A_i = W_i Pᵀ``. Computed in fp64, signs fixed (each column of ``U_r``'s
+    largest entry positive): a function of the weights and ``Σ``.
+
+    Returns:
+        ``(P, [A_i])`` in the first map's dtype and device.
+    """
+    like = maps[0]
+    w = torch.cat([m.detach().double().cpu() for m in maps], dim=0)  # (Σ d_out, D)
+    if second_moment is None:
+        m = w
+    else:
+        evals, evecs = torch.linalg.eigh(second_moment.detach().double().cpu())
+        m = w @ (evecs * evals.clamp_min(0).sqrt()) @ evecs.T  # W Σ^½
+    u, s, _ = torch.linalg.svd(m, full_matrices=False)
+    u, s = u[:, :rank], s[:rank].clamp_min(float(s[0]) * 1e-6)
+    u = u * torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))
+    proj = (u.T @ w) / s[:, None]
+    parts = (u * s).split([mm.shape[0] for mm in maps], dim=0)
+    return proj.to(like), [a.to(like) for a in parts]
 
 
 def decoder_logits(decoder: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

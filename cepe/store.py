@@ -353,7 +353,7 @@ class ContextStore:
                 "adapter": adapter_fingerprint(self.model),
                 "tokenizer": tokenizer_fingerprint(self.tokenizer),
                 "chunk_length": int(self.model.cepe_config.chunk_length),
-                "d_enc": int(self.model.cepe_config.encoder.hidden_size),
+                "d_enc": int(self.model.cepe_config.encoder.state_size),
             }
         return self._model_info_cache
 
@@ -372,7 +372,7 @@ class ContextStore:
             "chunk_length": "chunk length",
             "tokenizer": "tokenizer",
             "adapter": "adapter (encoder / cross-attention weights and config)",
-            "d_enc": "encoder width",
+            "d_enc": "width of the stored encoder states",
         }
         for key in ("chunk_length", "d_enc", "tokenizer", "adapter"):
             theirs = info.get(key)

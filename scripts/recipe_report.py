@@ -1,6 +1,7 @@
 """Summarise the copy-warmup recipe ablation (scripts/recipe_ablation.sh) into results/recipe/:
-training-loss curves against CPU-minutes (PNG), and a table of the final training loss and the copy probe
-(`cepe eval copy`, held-out passages) per variant (JSON + markdown).
+training-loss curves against CPU-minutes (PNG), and a table of the final training loss, the width of Φ and
+the copy probe (`cepe eval copy`, held-out passages) per variant (JSON + markdown).
+``python scripts/recipe_report.py [RUNS_DIR [OUT_DIR]]`` (default runs/recipe, results/recipe).
 
 CPU-minutes are steps × the run's median step time: the runs shared the machine with other jobs that paused
 them, and a pause inflates the wall time of the step it falls in but not the median.
@@ -72,6 +73,10 @@ def main(runs: Path = Path("runs/recipe"), out: Path = Path("results/recipe")) -
             "train_loss_last10": round(statistics.mean(loss[-k:]), 3),
             "train_loss_first": round(loss[0], 3),
         }
+        cfg = run / "cepe_config.json"
+        if cfg.is_file():  # what the states / absorbed caches and the store keep per context token
+            enc = json.loads(cfg.read_text())["encoder"]
+            row["phi_values_per_token"] = enc.get("output_size") or enc["hidden_size"]
         row.update(copy_columns(run / "copy" / "copy.json", "cepe"))
         rows.append(row)
     for name, path, method in REFERENCES:

@@ -135,6 +135,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "online_teacher",
         "teacher_tasks",
         "teacher_context",
+        "projection_fit_tokens",
     ):
         d.pop(key)
     d["data"].pop("shuffle")
@@ -1224,3 +1225,36 @@ def test_recall_foreign_trains(tmp_path):
     first = [(a, b) for a, b in zip(plain, foreign)][0]
     assert "lm_recall" in first[0] and first[0]["lm_recall"] != first[1]["lm_recall"]
     assert first[0]["lm_lm"] == first[1]["lm_lm"]
+
+
+def test_projection_fitted_to_the_training_split(tmp_path):
+    """``projection_fit_tokens`` fits a new adapter's down-projection to the encoder's states on the start
+    of the training split (not the weights-only init), and is refused where it cannot apply."""
+    from cepe.data.tokenized import ShardWriter
+
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(tmp_path / "tok", eos_id=0, vocab_size=128, shard_tokens=64) as w:
+        for d in range(4):
+            w.add("train", f"doc{d}", "text", (torch.randint(1, 40, (100,), generator=g) * 3).tolist())
+    over = dict(
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1, "causal": True, "output_size": 16},
+        cepe={"init_mode": "gate", "mirror_self_attention": True},
+        data={"corpus": str(tmp_path / "tok")},
+    )
+    plain = build_model(_cfg(tmp_path, **over))
+    fitted = build_model(_cfg(tmp_path, projection_fit_tokens=256, **over))
+    assert plain.encoder.out_proj.weight.shape == (16, 64)
+    assert not torch.allclose(plain.encoder.out_proj.weight, fitted.encoder.out_proj.weight, atol=1e-3)
+    ids = torch.arange(1, 25).view(1, 3, 8)
+    with torch.no_grad():  # no context, or zero gates: still exactly the decoder
+        base = fitted.decoder(input_ids=ids[:, 0]).logits
+        torch.testing.assert_close(fitted(ids[:, 0], encoder_input_ids=ids).logits, base, atol=0, rtol=0)
+    assert (
+        _cfg(tmp_path, **over).fingerprint()
+        != _cfg(tmp_path, projection_fit_tokens=256, **over).fingerprint()
+    )
+    with pytest.raises(ValueError, match="output_size"):
+        _cfg(tmp_path, projection_fit_tokens=256, **{**over, "encoder": {"num_hidden_layers": 1}})
+    with pytest.raises(ValueError, match="data.corpus"):
+        _cfg(tmp_path, projection_fit_tokens=256, **{**over, "data": {"synthetic": "random"}})

@@ -263,7 +263,7 @@ def measure_decode(
             cache = _random_cache(model, kept, cfg.seed, room)
             if method != "full":
                 g = torch.Generator().manual_seed(cfg.seed + 2)
-                phi = torch.randn(1, s, model.cepe_config.encoder.hidden_size, generator=g).to(model.dtype)
+                phi = torch.randn(1, s, model.cepe_config.encoder.state_size, generator=g).to(model.dtype)
                 ctx = model.prepare_context(encoder_hidden_states=phi, cross_attention_cache=mode)
         tok = torch.zeros(1, 1, dtype=torch.long)
         times = []

@@ -209,7 +209,7 @@ def _bytes_summary(cfg: StoreBenchConfig, model, rows: list[dict[str, Any]]) -> 
     """Bytes per context token: Φ (in the store's dtype), the full context's K/V, the stored files."""
     dtype_bytes = torch.tensor([], dtype=torch_dtype(cfg.store_dtype)).element_size()
     kv = kv_bytes_per_token(model.decoder.config, dtype_bytes)
-    phi = int(model.cepe_config.encoder.hidden_size) * dtype_bytes
+    phi = int(model.cepe_config.encoder.state_size) * dtype_bytes
     return {
         "store_dtype": cfg.store_dtype,
         "phi_bytes_per_token": phi,

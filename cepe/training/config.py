@@ -150,7 +150,13 @@ class TrainConfig:
         encoder_init: ``"random"`` (an encoder of its own, sized by ``encoder``) or ``"decoder"``: the
             encoder is a copy of the decoder's first ``encoder.num_hidden_layers`` layers (default 4) at
             the decoder's width, reading the decoder's embeddings (shared, not stored);
-            ``encoder.causal`` runs it left-to-right within each chunk. No MLM stage is needed.
+            ``encoder.causal`` runs it left-to-right within each chunk; ``encoder.output_size`` narrows Φ
+            with a learned down-projection (initialised from the cross-attention's k/v maps, see
+            :meth:`cepe.CepeForCausalLM.init_projection`). No MLM stage is needed.
+        projection_fit_tokens: with ``encoder.output_size`` on an encoder built from the decoder (a new
+            adapter, not ``init_adapter``): fit the down-projection to the encoder's states on this many
+            tokens from the start of the training split, in chunks of the stage's chunk length
+            (:meth:`cepe.CepeForCausalLM.fit_projection`); 0 = from the weights alone.
         init_adapter: a cepe adapter directory (a previous stage's output) to continue from.
 
     Layout:
@@ -309,6 +315,7 @@ class TrainConfig:
     warmup_chunks: int = 4
     warmup_decoder_tokens: int | None = None
     freeze_encoder: bool = False
+    projection_fit_tokens: int = 0
     train_only: list[str] | None = None
     match_gate_calibrate: int = 0
     align_coef: float = 0.0
@@ -537,15 +544,31 @@ class TrainConfig:
             f"encoder_init must be 'random' or 'decoder', got {self.encoder_init!r}",
         )
         if self.encoder_init == "decoder":
-            extra = sorted(set(self.encoder) - {"num_hidden_layers", "causal"})
+            extra = sorted(set(self.encoder) - {"num_hidden_layers", "causal", "output_size"})
             _check(
                 not extra,
-                f"encoder_init: decoder takes the decoder's layer shape; only encoder.num_hidden_layers and "
-                f"encoder.causal may be set, got {extra}",
+                f"encoder_init: decoder takes the decoder's layer shape; only encoder.num_hidden_layers, "
+                f"encoder.causal and encoder.output_size may be set, got {extra}",
             )
             _check(
                 self.init_encoder is None and self.stage != "mlm",
                 "encoder_init: decoder needs no MLM stage: remove init_encoder (and run warmup/cepe directly)",
+            )
+        if self.projection_fit_tokens:
+            _check(
+                int(self.projection_fit_tokens) > 0,
+                f"projection_fit_tokens must be a number of tokens >= 0, got {self.projection_fit_tokens}",
+            )
+            _check(
+                self.encoder_init == "decoder"
+                and self.encoder.get("output_size")
+                and self.init_adapter is None,
+                "projection_fit_tokens fits a new adapter's down-projection: it needs encoder_init: decoder, "
+                "encoder.output_size and no init_adapter",
+            )
+            _check(
+                self.data.corpus is not None,
+                "projection_fit_tokens reads the training split: it needs data.corpus (not synthetic data)",
             )
 
     def _validate_tasks(self) -> None:
@@ -674,6 +697,7 @@ class TrainConfig:
             "train_only",
             "match_gate_calibrate",
             "align_coef",
+            "projection_fit_tokens",
         ):
             if not d.get(key):
                 d.pop(key, None)

@@ -150,6 +150,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 decoder.config,
                 num_layers=int(cfg.encoder.get("num_hidden_layers", 4)),
                 causal=bool(cfg.encoder.get("causal", False)),
+                output_size=cfg.encoder.get("output_size"),
             )
             kw["share_embeddings"] = True
         else:
@@ -160,6 +161,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         model = CepeForCausalLM.from_decoder(decoder, cepe_cfg)
         if cfg.encoder_init == "decoder":
             model.init_encoder_from_decoder()
+            if cfg.projection_fit_tokens:
+                fit_projection(model, cfg)
         if cfg.init_encoder is not None:
             load_encoder_weights(model, cfg.init_encoder)
     for m in model.cross_attention_modules():
@@ -170,6 +173,22 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     if cfg.train_only:
         select_trainable(model, cfg.train_only)
     return model
+
+
+def fit_projection(model: CepeForCausalLM, cfg: TrainConfig) -> None:
+    """Fit the new adapter's down-projection to the encoder's states on the first
+    ``cfg.projection_fit_tokens`` tokens of the training split, in chunks of the stage's chunk length."""
+    from cepe.data.tokenized import TokenizedCorpus
+
+    length = cfg.stage_chunk_length
+    corpus = TokenizedCorpus(cfg.data.corpus)
+    n = min(int(cfg.projection_fit_tokens), corpus.stream_length(cfg.data.split)) // length * length
+    if n == 0:
+        raise ValueError(
+            f"projection_fit_tokens: the {cfg.data.split} split has no full chunk of {length} tokens"
+        )
+    ids = torch.as_tensor(corpus.stream_slice(cfg.data.split, 0, n)).view(1, -1, length)
+    model.fit_projection(ids)
 
 
 def select_trainable(model: nn.Module, parts: list[str]) -> None:
