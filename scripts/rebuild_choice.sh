@@ -4,8 +4,10 @@
 # equal average of fast_fold_qa2, fast_fold_gates and fast_fold_break_only (runs/soup/qa2_gates_break), then
 # its probes with nothing else training (scripts/probe_stage.sh into results/recipe/soup_qa2_gates_break_rebuilt/,
 # the documented ones in results/recipe/soup_qa2_gates_break/ left as they are) and its fixed-target curve;
-# then the validation choice over it, fast_soup_run (run biases alone, 40 steps), probed the same way into
-# results/recipe/fast_soup_run_rebuilt/ (the documented results/recipe/fast_soup_run/ left as they are).
+# then the stages from it to the validation choice, fast_soup_run, fast_soup_run2, fast_soup_run3 (run biases
+# alone, 40 steps each) and fast_soup_linux_s2 (40 steps with all weights, kernel documentation added), the
+# last probed the same way into results/recipe/fast_soup_linux_s2_rebuilt/ (the documented
+# results/recipe/fast_soup_linux_s2/ left as they are).
 # Run it again after a stop, a kill or a new session on the same machine: done stages are skipped.
 #   bash scripts/rebuild_choice.sh          # start or pick up (log: runs/recipe/rebuild.log)
 #   bash scripts/rebuild_choice.sh run      # the same route with run biases from the 8K stage on
@@ -15,8 +17,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt; CHOICE=fast_soup_run ;;
-  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run; CHOICE="" ;;
+  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt; CHOICE=(fast_soup_run fast_soup_run2 fast_soup_run3 fast_soup_linux_s2) ;;
+  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run; CHOICE=() ;;
   *) echo "usage: bash scripts/rebuild_choice.sh [run]" >&2; exit 2 ;;
 esac
 STAGES=(fast_warmup fast_direct_copy fast_direct_recall2)
@@ -64,10 +66,11 @@ rebuild() {
   done
   [ -f "$SOUP/cepe_config.json" ] || python scripts/average_adapters.py "$SOUP" "${ends[@]}"
   probe "$SOUP" "$PROBE"
-  if [ -n "$CHOICE" ]; then  # fast_soup_run starts from $SOUP (its config's init_adapter)
-    chain "$CHOICE"
-    done_or_stop "$CHOICE"
-    probe "runs/recipe/$CHOICE/checkpoints/step_000040/adapter" "${CHOICE}_rebuilt"
+  if [ "${#CHOICE[@]}" -gt 0 ]; then  # fast_soup_run starts from $SOUP (its config's init_adapter)
+    chain "${CHOICE[@]}"
+    for name in "${CHOICE[@]}"; do done_or_stop "$name"; done
+    local last=${CHOICE[${#CHOICE[@]}-1]}
+    probe "runs/recipe/$last/checkpoints/step_000040/adapter" "${last}_rebuilt"
   fi
 }
 nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE CHOICE); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &

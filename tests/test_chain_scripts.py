@@ -127,8 +127,8 @@ def test_the_rebuild_chains_the_nine_stages_and_stops_cleanly_with_them(tmp_path
 
 def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_it(tmp_path):
     """With the nine stages done, the average written and probed, ``rebuild_choice.sh`` goes on to the
-    validation choice over it (``fast_soup_run``) and, when that stage is stopped, says so instead of
-    probing it; the route with run biases has no such stage."""
+    stages from it to the validation choice (``fast_soup_run`` ... ``fast_soup_linux_s2``) and, when the
+    first is stopped, says so instead of probing; the route with run biases has no such stages."""
     root = _with_stand_in_cepe(tmp_path, 128 + 15)
     for name in (
         "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa "
@@ -138,6 +138,8 @@ def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_i
         (root / f"runs/recipe/{name}/status.json").write_text('{"state": "done"}')
     (root / "runs/soup/qa2_gates_break").mkdir(parents=True)
     (root / "runs/soup/qa2_gates_break/cepe_config.json").write_text("{}")
+    (root / "runs/data/mini_linux").mkdir(parents=True)  # fast_soup_linux_s2's data set, prepared
+    (root / "runs/data/mini_linux/summary.json").write_text("{}")
     probes = root / "results/recipe/soup_qa2_gates_break_rebuilt/step040"
     for rel in ("copy_val/copy.json", "fixedppl/fixedppl.json"):
         (probes / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -150,10 +152,10 @@ def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_i
         "rebuilt: runs/soup/qa2_gates_break, probes in results/recipe/soup_qa2_gates_break_rebuilt/step040"
         in log
     )
-    assert "started the chain fast_soup_run (pid" in log
+    assert "started the chain fast_soup_run fast_soup_run2 fast_soup_run3 fast_soup_linux_s2 (pid" in log
     assert "fast_soup_run is not done: the chain stopped" in log
     assert "fast_soup_run: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
-    assert not (root / "results/recipe/fast_soup_run_rebuilt").exists()
+    assert not (root / "results/recipe/fast_soup_linux_s2_rebuilt").exists()
 
 
 def test_the_rebuild_refuses_an_unknown_route(tmp_path):
