@@ -167,9 +167,10 @@ class CepeForCausalLM(nn.Module):
         maps = []
         for i in self.cross_layers:
             attn = layers[i].self_attn
-            fold = norm_scale(getattr(layers[i], family.residual_tap))
             for w in (attn.k_proj.weight, attn.v_proj.weight):
-                maps.append(w * fold.to(w.dtype) if self.cepe_config.mirror_self_attention else w)
+                if self.cepe_config.mirror_self_attention:
+                    w = w * norm_scale(getattr(layers[i], family.residual_tap)).to(w.dtype)
+                maps.append(w)
         proj, new = projection_init(maps, enc.output_size, second_moment)
         self.encoder.out_proj.weight.copy_(proj)
         for j, i in enumerate(self.cross_layers):
@@ -187,17 +188,18 @@ class CepeForCausalLM(nn.Module):
             raise ValueError("fit_projection needs a down-projection: set encoder.output_size")
         b, k, length = encoder_input_ids.shape
         ids = encoder_input_ids.reshape(b * k, length)
-        mask = (
-            None if encoder_attention_mask is None else encoder_attention_mask.reshape(b * k, length).bool()
-        )
+        if encoder_attention_mask is None:
+            mask = torch.ones_like(ids, dtype=torch.bool)
+        else:
+            mask = encoder_attention_mask.reshape(b * k, length).bool()
+        ids, mask = ids[mask.any(-1)], mask[mask.any(-1)]  # chunks with a real token, as encode_chunks
         dim = self.cepe_config.encoder.hidden_size
         moment = torch.zeros(dim, dim, dtype=torch.float64, device=ids.device)
         count = 0
         step = self.cepe_config.encoder_micro_batch
         for start in range(0, ids.shape[0], step):
-            sub_mask = None if mask is None else mask[start : start + step]
-            x = self.encoder(ids[start : start + step], sub_mask, project=False).double()  # (N, L, D)
-            x = x.reshape(-1, dim) if sub_mask is None else x[sub_mask]
+            sub = mask[start : start + step]
+            x = self.encoder(ids[start : start + step], sub, project=False)[sub].double()  # (real, D)
             moment += x.T @ x
             count += x.shape[0]
         if count == 0:

@@ -162,6 +162,11 @@ def test_fit_projection_keeps_more_of_what_kv_read():
     before = kv_err()
     model.fit_projection(chunks)
     assert kv_err() < 0.9 * before
+    fitted = model.encoder.out_proj.weight.clone()
+    mask = torch.ones(2, 4, 8, dtype=torch.bool)
+    mask[:, 3] = False  # a chunk of padding only: skipped, as encode_chunks skips it
+    model.fit_projection(torch.cat([chunks, chunks[:, :1]], dim=1), mask)
+    torch.testing.assert_close(model.encoder.out_proj.weight, fitted)
     with pytest.raises(ValueError, match="output_size"):
         projected(None).fit_projection(chunks)
 
