@@ -3,6 +3,7 @@ chunk noise and the distillation KL match their definitions, every shipped confi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -261,6 +262,12 @@ def test_warmup_layout_and_noise_off_for_ceped(tmp_path):
     assert ced.chunk_noise == 0.0 and _cfg("cepe", tmp_path / "c").chunk_noise == 0.3
 
 
+@functools.cache
+def _configs_by_output(folder: Path) -> dict:
+    """Every config of a folder by its output_dir, loaded once for all the parametrised cases below."""
+    return {c.output_dir: c for c in map(load_config, sorted(folder.glob("*.yaml")))}
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_configs_load(path):
     cfg = load_config(path)
@@ -271,11 +278,7 @@ def test_shipped_configs_load(path):
         if cfg.stage == "warmup":
             assert cfg.encoder_init in ("decoder", "random") and cfg.data.shuffle > 0
         else:  # a later stage starts from a checkpoint of another shipped recipe run
-            srcs = {
-                c.output_dir: c
-                for c in map(load_config, path.parent.glob("*.yaml"))
-                if c.output_dir != cfg.output_dir
-            }
+            srcs = {o: c for o, c in _configs_by_output(path.parent).items() if o != cfg.output_dir}
             for init in SOUPS.get(cfg.init_adapter, [cfg.init_adapter]):
                 out, kept = init.removesuffix("/adapter").split("/checkpoints/step_")
                 assert init.endswith("/adapter")
