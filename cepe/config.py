@@ -183,6 +183,11 @@ class CepeConfig:
         context_scale: multiplier on every cross-attention output, the same as scaling each ``o_proj``:
             how strongly the decoder reads its context. 1.0 = as trained; a value chosen on validation
             data calibrates a trained adapter (``docs/TRAINING.md``, "Calibrating how strongly it reads").
+        output_mix: mix the output distributions token by token, ``λ·p_cepe + (1 − λ)·p_decoder``, where
+            ``p_decoder`` is the same decoder without the context and ``λ = σ(w·[h_cepe; h_decoder] + b)``
+            comes from a head over both final hidden states (``mix_head``; zero at first: λ = ½). The
+            decoder runs twice (one batch of 2B rows); without a context the model is the decoder, as
+            always (beyond the released code; ``cepe.mixture``).
     """
 
     encoder: EncoderConfig
@@ -211,6 +216,7 @@ class CepeConfig:
     induction_gate: bool = False
     run_bias: bool = False
     context_scale: float = 1.0
+    output_mix: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -408,5 +414,6 @@ def encoder_config_from_decoder(
 
 
 def is_adapter_key(name: str) -> bool:
-    """True for parameter names CEPE adds: ``encoder.*`` and ``*.cross_attn.*`` (the trainable set)."""
-    return name.startswith("encoder.") or ".cross_attn." in name
+    """True for parameter names CEPE adds: ``encoder.*``, ``*.cross_attn.*`` and ``mix_head.*`` (the output
+    mixture's head): the trainable set."""
+    return name.startswith(("encoder.", "mix_head.")) or ".cross_attn." in name

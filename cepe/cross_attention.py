@@ -65,6 +65,7 @@ class CrossContext:
     match_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
     read_state: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     read_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
+    doubled: CrossContext | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -75,6 +76,30 @@ class CrossContext:
         becomes row ``rows[i]``'s."""
         for layer, (where, seen) in list(self.read_state.items()):
             self.read_state[layer] = (where.index_select(0, rows.to(where.device)), seen)
+
+    def with_decoder_rows(self) -> CrossContext:
+        """This context for a decoder batch of ``2B`` rows whose last ``B`` rows read nothing (the output
+        mixture runs the decoder with and without the context in one batch): Φ, masks and scales get
+        ``B`` empty rows, whose cross-attention output is exactly zero. Made once per context."""
+        if self.doubled is None:
+            b, dev = self.batch_size, self.states.device
+            has = torch.ones((b, 1, 1), dtype=self.states.dtype, device=dev)
+            if self.has_context is not None:
+                has = self.has_context
+            mask = None
+            if self.key_mask is not None:
+                mask = torch.cat([self.key_mask, torch.ones_like(self.key_mask)])
+            self.doubled = CrossContext(
+                torch.cat([self.states, torch.zeros_like(self.states)]),
+                mask,
+                self.mode,
+                self.impl,
+                None if self.q_scale is None else torch.cat([self.q_scale, torch.ones_like(self.q_scale)]),
+                torch.cat([has, torch.zeros_like(has)]),
+                out_scale=self.out_scale,
+                log_n=None if self.log_n is None else torch.cat([self.log_n, torch.zeros_like(self.log_n)]),
+            )
+        return self.doubled
 
     def expand(self, batch: int) -> CrossContext:
         """The context repeated for a batch of ``batch`` rows (beam search, several samples)."""

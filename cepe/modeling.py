@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from .cross_attention import CrossContext, zero_linear
 from .encoder import ContextEncoder
 from .fileio import umask
 from .layers import norm_scale
+from .mixture import mix_head, mix_logit, mix_logits
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
 
@@ -84,6 +86,7 @@ class CepeForCausalLM(nn.Module):
         self.encoder = ContextEncoder(cepe_config.encoder, cepe_config.attn_implementation, shared).to(
             p.device
         )
+        self.mix_head = mix_head(int(decoder.config.hidden_size), p) if cepe_config.output_mix else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -304,6 +307,13 @@ class CepeForCausalLM(nn.Module):
                 m.run_bias = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
         self.cepe_config.run_bias = True
 
+    def enable_output_mix(self) -> None:
+        """Give an adapter trained without it the output mixture (``CepeConfig.output_mix``) and its zero
+        head (λ = ½: unlike the gates, this changes the function until the head trains). Idempotent."""
+        if self.mix_head is None:
+            self.mix_head = mix_head(int(self.decoder.config.hidden_size), next(self.decoder.parameters()))
+        self.cepe_config.output_mix = True
+
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
             raise ValueError(f"{side}_gate needs length_scale (its pivot): enable_length_scale first")
@@ -375,15 +385,19 @@ class CepeForCausalLM(nn.Module):
                 m.match_record = None
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``)."""
+        """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``),
+        and ``mix_head.*`` with the output mixture."""
         out = {f"encoder.{k}": v for k, v in self.encoder.state_dict().items()}
         for k, v in self.decoder.state_dict().items():
             if ".cross_attn." in k:
                 out[k] = v
+        if self.mix_head is not None:
+            out.update({f"mix_head.{k}": v for k, v in self.mix_head.state_dict().items()})
         return out
 
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters with ``requires_grad``: exactly the encoder's and the cross-attention's."""
+        """Parameters with ``requires_grad``: exactly the encoder's, the cross-attention's and the mixing
+        head's."""
         return (p for p in self.parameters() if p.requires_grad)
 
     def train(self, mode: bool = True) -> CepeForCausalLM:
@@ -533,6 +547,11 @@ class CepeForCausalLM(nn.Module):
             raise ValueError("give cross_context or encoder inputs, not both")
         self._check_context_batch(input_ids, ctx)
         self._check_recomputation(ctx)
+        if ctx is not None and self.cepe_config.output_mix:
+            with self.use_context(ctx.with_decoder_rows()):
+                return self._mixed_forward(
+                    input_ids, attention_mask, labels, logits_to_keep, return_logits, kwargs
+                )
         with self.use_context(ctx):
             if labels is None:
                 return self.decoder(
@@ -554,6 +573,48 @@ class CepeForCausalLM(nn.Module):
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             logits = self.lm_logits(hidden[:, keep])
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def _mixed_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        logits_to_keep: int,
+        return_logits: bool | None,
+        kwargs: dict[str, Any],
+    ) -> CausalLMOutputWithPast:
+        """:meth:`forward` with the output mixture, the doubled context installed: one decoder call over
+        ``2B`` rows (the first ``B`` read the context, the last ``B`` are the decoder alone; a cache it
+        returns holds both), then the mixed logits of the first ``B``."""
+        if input_ids is None or kwargs.get("inputs_embeds") is not None:
+            raise ValueError(
+                "output_mix runs the decoder twice from input_ids: give input_ids, not inputs_embeds"
+            )
+        n = input_ids.shape[0]
+        kw = dict(kwargs)
+        if kw.get("position_ids") is not None and kw["position_ids"].shape[0] == n:  # else (1, T): shared
+            kw["position_ids"] = torch.cat([kw["position_ids"]] * 2)
+        mask = None if attention_mask is None else torch.cat([attention_mask] * 2)
+        out = self.decoder.get_decoder()(input_ids=torch.cat([input_ids] * 2), attention_mask=mask, **kw)
+        hidden = out.last_hidden_state  # (2B, T, D)
+        h_ctx, h_dec = hidden[:n], hidden[n:]
+        loss = None
+        if labels is not None:
+            shift = labels[:, 1:]
+            sel = shift != -100
+            mixed = self.mixed_logits(h_ctx[:, :-1][sel], h_dec[:, :-1][sel])  # (N, V)
+            loss = F.cross_entropy(mixed, shift[sel], reduction="sum") / sel.sum().clamp_min(1)
+        logits = None
+        if labels is None or return_logits is None or return_logits:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.mixed_logits(h_ctx[:, keep], h_dec[:, keep])
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def mixed_logits(self, h_ctx: torch.Tensor, h_dec: torch.Tensor) -> torch.Tensor:
+        """The output mixture's logits ``(..., V)`` (fp32) from final hidden states ``(..., D)`` with and
+        without the context (:func:`cepe.mixture.mix_logits`)."""
+        a = mix_logit(self.mix_head, h_ctx, h_dec)
+        return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), a)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The decoder's output head on hidden states ``(..., D_dec)`` -> ``(..., V)`` (with soft-capping
@@ -592,23 +653,56 @@ class CepeForCausalLM(nn.Module):
             generate_kwargs.get("num_return_sequences") or getattr(gen, "num_return_sequences", 1) or 1
         )
         repeats = tuple(sorted({1, beams, samples, beams * samples}))
-        with self.use_context(ctx, repeats), self._follow_beams(ctx is not None and beams > 1):
+        mixed = ctx is not None and self.cepe_config.output_mix
+        install = ctx.with_decoder_rows() if mixed else ctx
+        with (
+            self.use_context(install, repeats),
+            self._follow_beams(ctx is not None and beams > 1, mixed),
+            self._mixed_generation(mixed),
+        ):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs
             )
 
     @contextlib.contextmanager
-    def _follow_beams(self, on: bool) -> Iterator[None]:
+    def _mixed_generation(self, on: bool) -> Iterator[None]:
+        """With the output mixture, the decoder's ``forward`` (which HF ``generate`` calls) becomes
+        :meth:`_mixed_forward` for the duration of one ``generate`` call: its cache holds ``2·rows``."""
+        if not on:
+            yield
+            return
+        own = self.decoder.__dict__.get("forward")
+        inner = self.decoder.forward
+
+        @functools.wraps(inner)  # generate reads the signature (logits_to_keep, position_ids...)
+        def forward(input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):
+            kwargs.pop("labels", None)
+            return self._mixed_forward(input_ids, attention_mask, None, logits_to_keep, None, kwargs)
+
+        self.decoder.forward = forward
+        try:
+            yield
+        finally:
+            if own is None:
+                del self.decoder.forward
+            else:
+                self.decoder.forward = own
+
+    @contextlib.contextmanager
+    def _follow_beams(self, on: bool, mixed: bool = False) -> Iterator[None]:
         """With induction gates or run biases, beam search must also reorder where each row's heads read last: the
         decoder's ``_reorder_cache`` (HF's hook for models whose cache is not only the KV cache) reorders
-        the contexts' ``read_state`` and then the cache, for the duration of one ``generate`` call."""
-        if not (on and (self.cepe_config.induction_gate or self.cepe_config.run_bias)):
+        the contexts' ``read_state`` and then the cache, for the duration of one ``generate`` call. With
+        the output mixture (``mixed``) the cache holds each row twice: both copies follow the beam."""
+        if not (on and (mixed or self.cepe_config.induction_gate or self.cepe_config.run_bias)):
             yield
             return
         own = self.decoder.__dict__.get("_reorder_cache")
         inner = getattr(self.decoder, "_reorder_cache", None)
 
         def reorder(cache, beam_idx):
+            if mixed:
+                beam_idx = torch.cat([beam_idx, beam_idx + beam_idx.shape[0]])
             for ctx in self._slot.contexts():
                 if ctx.batch_size == beam_idx.shape[0]:
                     ctx.reorder(beam_idx)
@@ -655,7 +749,7 @@ class CepeForCausalLM(nn.Module):
                         "reentrant gradient checkpointing cannot pass gradients to the CEPE context; enable "
                         "it with model.decoder.activation_checkpointing_enable({'use_reentrant': False})"
                     )
-                if self._slot.ctx is not ctx:
+                if self._slot.ctx is not ctx and (ctx.doubled is None or self._slot.ctx is not ctx.doubled):
                     raise ValueError(
                         "gradient checkpointing recomputes the decoder layers during backward, after forward "
                         "has returned, so the context must stay installed until then: ctx = "

@@ -121,6 +121,35 @@ def test_fast_paths_keep_the_tiny_loss_curve(tmp_path, stage, bf16):
     assert b == pytest.approx(a, rel=1e-5 if bf16 == "false" else 1e-3, abs=0), (a, b)
 
 
+def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path):
+    """The mixture's loss from each side's target log-probability alone (fast) is the cross-entropy of
+    the mixed logits (reference): for the whole adapter, then for the head alone (``train_only``) over the
+    adapter that trained, whose head learns."""
+    from cepe import CepeForCausalLM
+    from cepe.training.models import build_decoder
+
+    kw = {"steps": 6, "save_every": 6, "optim.lr": "1e-3", "init_adapter": "null", "cepe.output_mix": "true"}
+    whole = tmp_path / "whole"
+    for first in (True, False):
+        ref = train(_cfg("cepe", tmp_path / f"ref{first}", reference_path="true", **kw))
+        fast = train(_cfg("cepe", whole if first else tmp_path / "head", **kw))
+        a, b = _losses(ref), _losses(fast)
+        assert len(a) == 6 and max(a) - min(a) > 1e-3
+        assert b == pytest.approx(a, rel=1e-5, abs=0), (a, b)
+        kw.update({"init_adapter": str(whole), "train_only": "[mix_head]", "optim.lr": "1e-2"})
+    tiny = _cfg("cepe", tmp_path / "x")
+    before = CepeForCausalLM.from_pretrained(whole, decoder=build_decoder(tiny))
+    after = CepeForCausalLM.from_pretrained(tmp_path / "head", decoder=build_decoder(tiny))
+    assert after.cepe_config.output_mix and not torch.equal(after.mix_head.weight, before.mix_head.weight)
+    for (name, x), y in zip(before.adapter_state_dict().items(), after.adapter_state_dict().values()):
+        assert name.startswith("mix_head.") or torch.equal(x, y), name  # only the head trained
+
+
+def test_output_mix_refuses_distillation(tmp_path):
+    with pytest.raises(ValueError, match="output_mix"):
+        _cfg("cepe", tmp_path, **{"cepe.output_mix": "true", "online_teacher": "true"})
+
+
 def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
     base = _cfg("cepe", tmp_path / "a")
     other = _cfg(
@@ -138,16 +167,20 @@ def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
     assert load_config(TINY / "cepe.yaml").fingerprint() == "bd2f6329eb803b83"
 
 
-def test_cost_model_counts_what_the_step_multiplies(tmp_path):
+@pytest.mark.parametrize(
+    "extra", [{}, {"cepe.output_mix": "true"}, {"cepe.output_mix": "true", "train_only": "[mix_head]"}]
+)
+def test_cost_model_counts_what_the_step_multiplies(tmp_path, extra):
     """The cost model against torch's FLOP counter on one tiny step (the counter sees the ``aten.mm`` of
-    projections, MLPs and the head; the fused CPU attention kernel is not counted)."""
+    projections, MLPs and the head; the fused CPU attention kernel is not counted), also with the output
+    mixture, whole adapter or mixing head alone."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from cepe.training.data import build_example, collate, window_source
     from cepe.training.models import StageModule, build_model
 
     over = dict(batch_size=4, micro_batch_size=4, bf16="false", chunk_noise=0)  # noise drops whole chunks
-    cfg = _cfg("cepe", tmp_path / "f", init_adapter="null", **over)
+    cfg = _cfg("cepe", tmp_path / "f", init_adapter="null", **over, **extra)
     model = build_model(cfg)
     module = StageModule(model, cfg)
     src = window_source(cfg, 128)

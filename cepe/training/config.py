@@ -554,6 +554,12 @@ class TrainConfig:
                 self.init_encoder is None and self.stage != "mlm",
                 "encoder_init: decoder needs no MLM stage: remove init_encoder (and run warmup/cepe directly)",
             )
+        if self.cepe.get("output_mix"):
+            _check(
+                self.stage in ("warmup", "cepe") and not self.online_teacher and self.teacher_dir is None,
+                "cepe.output_mix trains on the mixture's next-token loss; distillation (stage ceped, "
+                "online_teacher, teacher_dir) is not supported with it: remove output_mix or the teacher",
+            )
         if self.projection_fit_tokens:
             _check(
                 int(self.projection_fit_tokens) > 0,

@@ -137,6 +137,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_induction_gate()  # weights on whether reading continues a run
         if cfg.cepe.get("run_bias") and not model.cepe_config.run_bias:
             model.enable_run_bias()  # biases towards the key that continues a run
+        if cfg.cepe.get("output_mix") and not model.cepe_config.output_mix:
+            model.enable_output_mix()  # a mixing head over this adapter and the decoder alone
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
@@ -168,6 +170,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     for m in model.cross_attention_modules():
         m.float()  # trainable weights stay fp32 (AdamW) even over a bf16 decoder
     model.encoder.float()
+    if model.mix_head is not None:
+        model.mix_head.float()
     if cfg.freeze_encoder:
         model.encoder.requires_grad_(False)
     if cfg.train_only:
@@ -285,7 +289,11 @@ class StageModule(nn.Module):
             ctx = m.prepare_context(
                 batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
             )
-            self._held.enter_context(m.use_context(ctx))
+            mixed = ctx is not None and m.cepe_config.output_mix
+            # the reference path runs the mixture as one doubled batch (recomputation in backward reads it)
+            self._held.enter_context(
+                m.use_context(ctx.with_decoder_rows() if mixed and not self.fast else ctx)
+            )
             if "align_targets" in batch and ctx is not None:
                 targets = batch["align_targets"]  # (B, T) flat positions in the unpacked K·L
                 if m.cepe_config.pack_keys:
@@ -299,12 +307,20 @@ class StageModule(nn.Module):
                     hidden = base(
                         input_ids=batch["input_ids"], use_cache=False
                     ).last_hidden_state  # (B, T, D)
+                    alone = None  # (B, T, D) the decoder without the context, for the output mixture
+                    if mixed:
+                        with m.use_context(None), torch.no_grad():
+                            alone = base(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
                     if distill:  # CE + KL to the decoder reading the context, from one head pass
+                        if mixed:
+                            raise ValueError(
+                                "output_mix: distillation (kl_coef, online_teacher) is not supported"
+                            )
                         lm, kl = self._scored_losses(m, hidden, batch)
                     else:
-                        lm = lm_loss(m, hidden, batch["labels"], self._head, True)
+                        lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast, alone)
                     if "task" in batch:
-                        extra = self._task_losses(m, hidden, batch)
+                        extra = self._task_losses(m, hidden, batch, alone)
                 else:
                     lm = m(
                         batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
@@ -362,7 +378,9 @@ class StageModule(nn.Module):
         return ce, kl
 
     @torch.no_grad()
-    def _task_losses(self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
+    def _task_losses(
+        self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict, alone: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The next-token loss of each example kind of a mixed stage (``batch["task"]``), for the log only
         (no gradient; the training loss is the mean over all kinds' tokens). Costs one more pass of the
         output head over the scored tokens (plus the recalled spans again), forward only."""
@@ -377,7 +395,8 @@ class StageModule(nn.Module):
             parts["lm_recall_span"] = (kinds == TASK_KINDS.index("recall"), labels.masked_fill(~copied, -100))
         for key, (sel, lab) in parts.items():
             if bool(sel.any()) and bool((lab[sel][:, 1:] != -100).any()):
-                out[key] = lm_loss(m, hidden[sel].detach(), lab[sel], self._head, True).detach()
+                part = None if alone is None else alone[sel]
+                out[key] = lm_loss(m, hidden[sel].detach(), lab[sel], self._head, True, part).detach()
         return out
 
 

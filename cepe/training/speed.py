@@ -110,6 +110,52 @@ def chunked_head_cross_entropy(
     return _ChunkedHeadCE.apply(hidden, weight, labels, rows)
 
 
+class _ChunkedTargetLogProb(torch.autograd.Function):
+    """``log_softmax(hidden @ weightᵀ)[n, labels[n]]`` per row, chunk by chunk; the gradient with respect
+    to ``hidden`` is formed in the forward pass (the head is frozen), as in
+    :func:`chunked_head_cross_entropy`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):  # type: ignore[override]
+        dtype = weight.dtype
+        h_all = hidden.to(dtype)
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            logits = (h_all[s : s + chunk] @ weight.t()).float()  # (c, V)
+            y = labels[s : s + chunk]
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            out[s : s + chunk] = logits.gather(1, y[:, None]).squeeze(1) - lse
+            if grad is not None:  # d log p_y / d logits = onehot(y) - softmax
+                logits.sub_(lse[:, None]).exp_().neg_()
+                logits[torch.arange(y.shape[0], device=y.device), y] += 1.0
+                grad[s : s + chunk] = logits.to(dtype) @ weight
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.in_dtype = hidden.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_out.to(grad.dtype)[:, None]).to(ctx.in_dtype), None, None, None
+
+
+def chunked_target_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weightᵀ)`` at ``labels``, ``(N,)`` fp32, without all logits at once.
+
+    Args:
+        hidden: ``(N, D)`` final hidden states; weight: ``(V, D)`` frozen output embedding (matmul dtype);
+        labels: ``(N,)`` target ids; chunk: rows per chunk (default: about 8M logits).
+    """
+    if weight.requires_grad:
+        raise ValueError("the chunked target log-probabilities need a frozen output embedding")
+    rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    return _ChunkedTargetLogProb.apply(hidden, weight, labels, rows)
+
+
 class HeadWeight:
     """The decoder's output embedding in the compute dtype, converted once (a tied head stays shared)."""
 
@@ -127,19 +173,39 @@ class HeadWeight:
 
 
 def lm_loss(
-    model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, head: HeadWeight, fast: bool
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: HeadWeight,
+    fast: bool,
+    alone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoder's next-token loss from final hidden states: the model's own (reference) head and fp32
     cross-entropy, or the chunked one where it computes the same thing (no logit soft-capping).
 
     Args:
         hidden: ``(B, T, D)``; labels: ``(B, T)`` with ``-100`` ignored; position t predicts token t+1.
+        alone: ``(B, T, D)`` the decoder's hidden states without the context: the loss is then the output
+            mixture's (``CepeConfig.output_mix``), from each side's log-probability of the target alone.
     """
     shift = labels[:, 1:]
     sel = shift != -100
     h = hidden[:, :-1][sel]  # (N, D)
     y = shift[sel]
     cap = getattr(model.decoder.config, "final_logit_softcapping", None)
+    if alone is not None:
+        from cepe.mixture import mix_logit, mix_nll
+
+        h_dec = alone[:, :-1][sel]
+        if not fast or cap:
+            return F.cross_entropy(model.mixed_logits(h, h_dec), y)
+        dev = hidden.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        with torch.autocast(dev, enabled=False):
+            w = head.get(model.decoder, dtype)
+            logp_ctx = chunked_target_logprobs(h, w, y)
+            logp_dec = chunked_target_logprobs(h_dec, w, y)
+        return mix_nll(logp_ctx, logp_dec, mix_logit(model.mix_head, h, h_dec)).mean()
     if not fast or cap:
         return F.cross_entropy(model.lm_logits(h).float(), y)
     dev = hidden.device.type
@@ -217,11 +283,25 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj")
     )
     kv_grad = enc_grad or x_weight_grad
+    # the decoder stream needs gradients when anything before the head trains (not for a mixing head alone)
+    stream_grad = enc_grad or any(
+        p.requires_grad for m in model.cross_attention_modules() for p in m.parameters()
+    )
     x_q = len(layers) * 2 * n * 2 * dec.hidden * hq  # q_proj and o_proj on the decoder stream
     x_kv = len(layers) * 2 * s * 2 * enc.hidden * hkv  # k_proj and v_proj on Φ
     x_bwd = x_q * (2 if x_weight_grad else 1) + x_kv * (int(enc_grad) + int(x_weight_grad))
     bwd_lin = above * linear + (mlp if layers else 0) + head + x_bwd + 2 * e_lin * int(enc_grad)
     bwd_att = above * 2 * attn + x_att * (2 if kv_grad else 1) + 2 * e_att * int(enc_grad)
+    if not stream_grad:
+        bwd_lin = bwd_att = 0
+    mix_head = getattr(model, "mix_head", None)
+    if (
+        mix_head is not None
+    ):  # the output mixture: the decoder alone, its head at the targets, the mixing head
+        mixing = 2 * (n - 1) * 2 * dec.hidden
+        fwd_lin += dec.layers * linear + head + mixing
+        fwd_att += dec.layers * attn
+        bwd_lin += mixing * (int(mix_head.weight.requires_grad) + int(stream_grad))
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
         share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
@@ -245,5 +325,5 @@ COST_MODEL = (
     "encoder and cross-attention (frozen ones: input gradients only), 1x forward (attention 2x) for frozen decoder layers above the lowest "
     "cross-attention layer, its MLP and the head; no backward below it; an online CEPED teacher adds "
     "the decoder's forward over context + decoder tokens (up to its positions; times the share of examples "
-    "it runs for)"
+    "it runs for); the output mixture adds the decoder's forward without the context and its mixing head"
 )

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cepe.config import is_adapter_key
+
 from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkpoint
 from .config import TrainConfig
 from .data import (
@@ -462,7 +464,7 @@ def _build_modules(cfg: TrainConfig, use_bf16: bool) -> tuple[nn.Module, list[nn
     params = trainable_parameters(model)
     if cfg.stage != "mlm":
         names = [n for n, p in model.named_parameters() if p.requires_grad]
-        bad = [n for n in names if not (n.startswith("encoder.") or ".cross_attn." in n)]
+        bad = [n for n in names if not is_adapter_key(n)]
         if bad:
             raise RuntimeError(f"decoder parameters would train: {bad[:5]}")
         if use_bf16 and not cfg.reference_path:

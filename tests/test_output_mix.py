@@ -1,0 +1,177 @@
+"""The output mixture (``CepeConfig.output_mix``): ``λ·p_cepe + (1 − λ)·p_decoder`` token by token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    check_beam_scores,
+    check_incremental_calls,
+    ids_of,
+    random_context,
+    randomize_cross,
+    tiny_cepe_config,
+    tiny_decoder,
+)
+
+from cepe import CepeForCausalLM
+from cepe.mixture import mix_logit, mix_logits, mix_logits_ref, mix_nll
+from cepe.training.speed import chunked_target_logprobs
+
+
+def _mixed(seed: int = 3, bias: float | None = None, **kw) -> CepeForCausalLM:
+    """A tiny mixture model with random cross-attention and a random mixing head (or a fixed bias)."""
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(output_mix=True, **kw)).eval()
+    randomize_cross(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if bias is None:
+            model.mix_head.weight.copy_(torch.randn(model.mix_head.weight.shape, generator=g) * 0.2)
+            model.mix_head.bias.fill_(0.3)
+        else:
+            model.mix_head.weight.zero_()
+            model.mix_head.bias.fill_(bias)
+    return model
+
+
+def _logits_pair(seed: int = 0, n: int = 6, v: int = 11, spread: float = 30.0):
+    g = torch.Generator().manual_seed(seed)
+    lc = torch.randn(n, v, generator=g) * spread
+    ld = torch.randn(n, v, generator=g) * spread
+    a = torch.randn(n, generator=g) * 4
+    return lc, ld, a
+
+
+@pytest.mark.parametrize("spread,scale", [(0.1, 4.0), (3.0, 4.0), (60.0, 4.0), (60.0, 40.0)])
+def test_mix_logits_agree_with_the_reference(spread, scale):
+    """Their softmax is the mixture of the two softmaxes, also where the sides disagree by e^100 and λ is
+    within 1e-17 of 0 or 1."""
+    lc, ld, a = _logits_pair(spread=spread)
+    a = a.sign() * scale
+    got = mix_logits(lc, ld, a).log_softmax(-1).double()
+    want = mix_logits_ref(lc, ld, a)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(mix_logits(lc, ld, a)).all()
+
+
+def test_mix_logits_limits():
+    lc, ld, a = _logits_pair(spread=3.0)
+    assert torch.equal(mix_logits(ld, ld, a), ld)  # the sides agree: the decoder's logits, bit for bit
+    big = torch.full_like(a, 40.0)
+    torch.testing.assert_close(mix_logits(lc, ld, big).log_softmax(-1), lc.log_softmax(-1))
+    torch.testing.assert_close(mix_logits(lc, ld, -big).log_softmax(-1), ld.log_softmax(-1))
+
+
+def test_mix_nll_is_the_mixture_at_the_target():
+    lc, ld, a = _logits_pair(spread=3.0)
+    y = torch.randint(0, lc.shape[1], (lc.shape[0],), generator=torch.Generator().manual_seed(1))
+    pick = lambda t: t.log_softmax(-1).gather(-1, y[:, None])[:, 0]  # noqa: E731
+    got = mix_nll(pick(lc), pick(ld), a)
+    want = -mix_logits_ref(lc, ld, a).gather(-1, y[:, None])[:, 0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_target_logprobs_agree_with_the_plain_path():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(13, 8, generator=g, requires_grad=True)
+    w = torch.randn(29, 8, generator=g)
+    y = torch.randint(0, 29, (13,), generator=g)
+    coef = torch.randn(13, generator=g)
+    got = chunked_target_logprobs(h, w, y, chunk=4)
+    (got * coef).sum().backward()
+    g_got, h.grad = h.grad.clone(), None
+    want = (h @ w.t()).log_softmax(-1).gather(-1, y[:, None])[:, 0]
+    (want * coef).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_got, h.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="frozen output embedding"):
+        chunked_target_logprobs(h, w.requires_grad_(), y)
+
+
+def test_the_model_computes_the_mixture():
+    """Logits = the mixture of the same adapter without ``output_mix`` and the decoder alone, λ from the head
+    over both final hidden states; the loss is its cross-entropy."""
+    model = _mixed()
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+    plain.load_adapter_state_dict(
+        {k: v for k, v in model.adapter_state_dict().items() if "mix_head" not in k}
+    )
+    ids = ids_of()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 1:] = False
+    with torch.no_grad():
+        out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=ids)
+        ctx = plain.prepare_context(enc_ids, enc_mask)
+        with plain.use_context(ctx):
+            h_ctx = plain.decoder.get_decoder()(ids).last_hidden_state
+        h_dec = tiny_decoder().get_decoder()(ids).last_hidden_state
+        lc = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        ld = tiny_decoder()(ids).logits
+        a = mix_logit(model.mix_head, h_ctx, h_dec)
+    want = mix_logits_ref(lc, ld, a)
+    torch.testing.assert_close(out.logits.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
+    nll = -want[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    torch.testing.assert_close(out.loss.double(), nll, rtol=1e-4, atol=1e-4)
+    lam = torch.sigmoid(a)
+    assert 0.01 < lam.min() and lam.max() < 0.99 and lam.std() > 0.1  # a real mixture, token by token
+
+
+def test_invariants_no_context_and_zero_o_proj_are_the_decoder():
+    model = _mixed()
+    ids = ids_of()
+    enc_ids, enc_mask = random_context(2, 3)
+    with torch.no_grad():
+        ref = tiny_decoder()(ids).logits
+        assert torch.equal(model(ids).logits, ref)  # no context: exactly the decoder
+        on = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        assert (on - ref).abs().max().item() > 1e-3
+        for m in model.cross_attention_modules():
+            m.o_proj.weight.zero_()
+        zero = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.equal(zero, ref)  # both halves agree exactly, and f(0) = 0
+
+
+@pytest.mark.parametrize("mode", ["kv", "states", "absorbed"])
+def test_incremental_calls_carry_both_halves(mode):
+    check_incremental_calls(_mixed(), mode)
+
+
+def test_beam_search_reorders_both_halves():
+    check_beam_scores(_mixed())
+    assert "forward" not in _mixed().decoder.__dict__
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_generate_at_the_mixture_limits(beams):
+    """λ ≈ 1 generates what the adapter alone generates, λ ≈ 0 what the decoder alone generates (greedy
+    and beam search): both halves of the doubled cache are right."""
+    ids = ids_of(b=1, t=5)
+    enc_ids, enc_mask = random_context(1, 3)
+    kw = dict(max_new_tokens=8, num_beams=beams, do_sample=False, pad_token_id=0, eos_token_id=None)
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
+    randomize_cross(plain)
+    read = plain.generate(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, **kw)
+    alone = tiny_decoder().generate(ids, **kw)
+    assert not torch.equal(read, alone)  # the context changes the continuation
+    for bias, want in ((30.0, read), (-30.0, alone)):
+        model = _mixed(bias=bias)
+        got = model.generate(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, **kw)
+        assert torch.equal(got, want)
+        assert "forward" not in model.decoder.__dict__  # the generate-time forward is removed
+
+
+def test_save_load_and_enable(tmp_path):
+    model = _mixed()
+    model.save_pretrained(tmp_path / "mix")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "mix", decoder=tiny_decoder())
+    assert back.cepe_config.output_mix
+    assert torch.equal(back.mix_head.weight, model.mix_head.weight)
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    plain.save_pretrained(tmp_path / "plain")
+    loaded = CepeForCausalLM.from_pretrained(tmp_path / "plain", decoder=tiny_decoder())
+    loaded.enable_output_mix()
+    loaded.enable_output_mix()  # idempotent
+    assert loaded.cepe_config.output_mix and not loaded.mix_head.weight.any()
+    assert {"mix_head.weight", "mix_head.bias"} <= set(loaded.adapter_state_dict())
+    with pytest.raises(ValueError, match="missing keys.*mix_head"):
+        model.load_adapter_state_dict(plain.adapter_state_dict())
