@@ -7,7 +7,8 @@
 # then the stages from it to the validation choice, fast_soup_run, fast_soup_run2, fast_soup_run3 (run biases
 # alone, 40 steps each) and fast_soup_linux_s2 (40 steps with all weights, kernel documentation added), the
 # last probed the same way into results/recipe/fast_soup_linux_s2_rebuilt/ (the documented
-# results/recipe/fast_soup_linux_s2/ left as they are).
+# results/recipe/fast_soup_linux_s2/ left as they are); then the output mixture's head over it (mix_choice,
+# the choice frozen) and its probes into results/recipe/mix_choice/step060/.
 # Run it again after a stop, a kill or a new session on the same machine: done stages are skipped.
 #   bash scripts/rebuild_choice.sh          # start or pick up (log: runs/recipe/rebuild.log)
 #   bash scripts/rebuild_choice.sh run      # the same route with run biases from the 8K stage on
@@ -17,8 +18,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt; CHOICE=(fast_soup_run fast_soup_run2 fast_soup_run3 fast_soup_linux_s2) ;;
-  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run; CHOICE=() ;;
+  "") SUFFIX=""; PROBE=soup_qa2_gates_break_rebuilt; CHOICE=(fast_soup_run fast_soup_run2 fast_soup_run3 fast_soup_linux_s2)
+      MIX=mix_choice ;;
+  run) SUFFIX=_run; PROBE=soup_qa2_gates_break_run; CHOICE=(); MIX="" ;;
   *) echo "usage: bash scripts/rebuild_choice.sh [run]" >&2; exit 2 ;;
 esac
 STAGES=(fast_warmup fast_direct_copy fast_direct_recall2)
@@ -46,11 +48,12 @@ rebuild() {
     grep -q '"state": "done"' "runs/recipe/$1/status.json" 2>/dev/null \
       || { echo "$(date -u +%FT%TZ) $1 is not done: the chain stopped (runs/recipe/chain.log); run again"; exit 1; }
   }
-  probe() {  # ADAPTER NAME: the stage probes and the fixed-target curve, each once
-    local out=results/recipe/$2/step040
+  probe() {  # ADAPTER NAME [STEP]: the stage probes and the fixed-target curve, each once
+    local step=${3:-40}
+    local out=results/recipe/$2/step$(printf "%03d" "$step")
     if [ ! -f "$out/copy_val/copy.json" ]; then
       echo "$(date -u +%FT%TZ) probing $1"
-      ADAPTER=$1 bash scripts/probe_stage.sh "$2" 40
+      ADAPTER=$1 bash scripts/probe_stage.sh "$2" "$step"
     fi
     if [ ! -f "$out/fixedppl/fixedppl.json" ]; then
       cepe eval fixedppl --model "$1" --config configs/eval/fixedppl.yaml --methods cepe \
@@ -72,7 +75,12 @@ rebuild() {
     local last=${CHOICE[${#CHOICE[@]}-1]}
     probe "runs/recipe/$last/checkpoints/step_000040/adapter" "${last}_rebuilt"
   fi
+  if [ -n "$MIX" ]; then  # the mixing head over the choice (its config's init_adapter), 60 steps
+    chain "$MIX"
+    done_or_stop "$MIX"
+    probe "runs/recipe/$MIX/checkpoints/step_000060/adapter" "$MIX" 60
+  fi
 }
-nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE CHOICE); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
+nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE CHOICE MIX); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
 echo $! > runs/recipe/rebuild.pid
 echo "started the rebuild (pid $!), log runs/recipe/rebuild.log"

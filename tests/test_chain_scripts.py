@@ -158,6 +158,36 @@ def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_i
     assert not (root / "results/recipe/fast_soup_linux_s2_rebuilt").exists()
 
 
+def test_the_rebuild_ends_with_the_mixing_head_over_the_choice(tmp_path):
+    """With the choice trained and probed, ``rebuild_choice.sh`` trains the output mixture's head over it
+    (``mix_choice``) and, when that stage is stopped, says so instead of probing it."""
+    root = _with_stand_in_cepe(tmp_path, 128 + 15)
+    for name in (
+        "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa "
+        "fast_fold_qa2 fast_fold_gates fast_fold_break_only fast_soup_run fast_soup_run2 fast_soup_run3 "
+        "fast_soup_linux_s2"
+    ).split():
+        (root / f"runs/recipe/{name}").mkdir(parents=True)
+        (root / f"runs/recipe/{name}/status.json").write_text('{"state": "done"}')
+    (root / "runs/soup/qa2_gates_break").mkdir(parents=True)
+    (root / "runs/soup/qa2_gates_break/cepe_config.json").write_text("{}")
+    (root / "runs/data/mini_linux").mkdir(parents=True)
+    (root / "runs/data/mini_linux/summary.json").write_text("{}")
+    for probed in ("soup_qa2_gates_break_rebuilt", "fast_soup_linux_s2_rebuilt"):
+        for rel in ("copy_val/copy.json", "fixedppl/fixedppl.json"):
+            path = root / f"results/recipe/{probed}/step040" / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+    proc = subprocess.run(["bash", "scripts/rebuild_choice.sh"], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/rebuild.pid")
+    log = (root / "runs/recipe/rebuild.log").read_text()
+    assert "rebuilt: runs/recipe/fast_soup_linux_s2/checkpoints/step_000040/adapter" in log
+    assert "started the chain mix_choice (pid" in log
+    assert "mix_choice is not done: the chain stopped" in log
+    assert not (root / "results/recipe/mix_choice").exists()
+
+
 def test_the_rebuild_refuses_an_unknown_route(tmp_path):
     root = _with_stand_in_cepe(tmp_path, 0)
     proc = subprocess.run(
