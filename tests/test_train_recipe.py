@@ -1258,3 +1258,38 @@ def test_projection_fitted_to_the_training_split(tmp_path):
         _cfg(tmp_path, projection_fit_tokens=256, **{**over, "encoder": {"num_hidden_layers": 1}})
     with pytest.raises(ValueError, match="data.corpus"):
         _cfg(tmp_path, projection_fit_tokens=256, **{**over, "data": {"synthetic": "random"}})
+
+
+def test_mixed_stage_with_the_output_mixture_logs_each_kind_from_one_pass(tmp_path):
+    """With ``output_mix`` the per-kind losses come from one pass over every scored position; each equals
+    the mixture's loss over that kind's rows alone, and the training loss is their token-weighted mean."""
+    from cepe.training.data import build_example, collate, window_source
+    from cepe.training.models import StageModule, build_model
+    from cepe.training.speed import lm_loss
+
+    cfg = _mixed(tmp_path, cepe={"output_mix": True, "mix_stats": True})
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.mix_head.weight.normal_(0, 0.1)
+        for m in model.cross_attention_modules():
+            m.o_proj.weight.normal_(0, 0.1)
+    module = StageModule(model, cfg)
+    src = window_source(cfg, 64)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(6)])
+    batch.pop("index")
+    with torch.no_grad():
+        loss, metrics = module(batch)
+        module.release()
+        ctx = model.prepare_context(batch["encoder_input_ids"], batch["encoder_attention_mask"])
+        base = model.decoder.get_decoder()
+        with model.use_context(ctx):
+            hidden = base(input_ids=batch["input_ids"]).last_hidden_state
+        alone = base(input_ids=batch["input_ids"]).last_hidden_state
+    kinds = batch["task"]
+    assert len(set(kinds.tolist())) > 1
+    for i, name in enumerate(("lm", "copy", "recall")):
+        rows = kinds == i
+        if bool(rows.any()):
+            want = lm_loss(model, hidden[rows], batch["labels"][rows], module._head, False, alone[rows])
+            torch.testing.assert_close(metrics[f"lm_{name}"], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics["lm"], loss - cfg.align_coef * metrics["align"], rtol=1e-5, atol=1e-5)

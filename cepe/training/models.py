@@ -25,7 +25,7 @@ from cepe.modeling import CepeForCausalLM, packed_positions
 
 from .config import TrainConfig
 from .losses import topk_kl
-from .speed import HeadWeight, lm_loss
+from .speed import HeadWeight, lm_loss, mixture_token_nll
 
 ENCODER_WEIGHTS = "encoder_model.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
@@ -393,10 +393,19 @@ class StageModule(nn.Module):
             copied = torch.zeros_like(labels, dtype=torch.bool)
             copied[:, 1:] = batch["align_targets"][:, :-1] >= 0
             parts["lm_recall_span"] = (kinds == TASK_KINDS.index("recall"), labels.masked_fill(~copied, -100))
+        token_nll = (
+            None  # (B, T-1) with the output mixture: every scored position once, then averaged by part
+        )
+        if alone is not None:
+            scored = labels[:, 1:] != -100
+            token_nll = torch.zeros(scored.shape, dtype=torch.float32, device=labels.device)
+            token_nll[scored] = mixture_token_nll(m, hidden.detach(), alone, labels, self._head, True)
         for key, (sel, lab) in parts.items():
             if bool(sel.any()) and bool((lab[sel][:, 1:] != -100).any()):
-                part = None if alone is None else alone[sel]
-                out[key] = lm_loss(m, hidden[sel].detach(), lab[sel], self._head, True, part).detach()
+                if token_nll is not None:
+                    out[key] = token_nll[(lab[:, 1:] != -100) & sel[:, None]].mean()
+                else:
+                    out[key] = lm_loss(m, hidden[sel].detach(), lab[sel], self._head, True).detach()
         return out
 
 

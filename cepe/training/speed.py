@@ -189,6 +189,35 @@ class HeadWeight:
         return self._weight  # type: ignore[return-value]
 
 
+def mixture_token_nll(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    alone: torch.Tensor,
+    labels: torch.Tensor,
+    head: HeadWeight,
+    fast: bool,
+) -> torch.Tensor:
+    """The output mixture's negative log-likelihood ``(N,)`` at each supervised position (``labels[:, 1:]
+    != -100``, in row-major order), from the hidden states with and without the context ``(B, T, D)``:
+    each side's log-probability of the target alone (fast), or the mixed logits (reference; also for
+    soft-capped heads)."""
+    from cepe.mixture import mix_logit, mix_nll
+
+    shift = labels[:, 1:]
+    sel = shift != -100
+    h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], shift[sel]
+    if not fast or getattr(model.decoder.config, "final_logit_softcapping", None):
+        return F.cross_entropy(model.mixed_logits(h, h_dec), y, reduction="none")
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    with torch.autocast(dev, enabled=False):
+        w = head.get(model.decoder, dtype)
+        logp_ctx = chunked_target_logprobs(h, w, y)
+        logp_dec = chunked_target_logprobs(h_dec, w, y)
+        stats = chunked_mix_stats(h, h_dec, w) if model.cepe_config.mix_stats else None
+    return mix_nll(logp_ctx, logp_dec, mix_logit(model.mix_head, h, h_dec, stats))
+
+
 def lm_loss(
     model: nn.Module,
     hidden: torch.Tensor,
@@ -211,19 +240,7 @@ def lm_loss(
     y = shift[sel]
     cap = getattr(model.decoder.config, "final_logit_softcapping", None)
     if alone is not None:
-        from cepe.mixture import mix_logit, mix_nll
-
-        h_dec = alone[:, :-1][sel]
-        if not fast or cap:
-            return F.cross_entropy(model.mixed_logits(h, h_dec), y)
-        dev = hidden.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
-        with torch.autocast(dev, enabled=False):
-            w = head.get(model.decoder, dtype)
-            logp_ctx = chunked_target_logprobs(h, w, y)
-            logp_dec = chunked_target_logprobs(h_dec, w, y)
-            stats = chunked_mix_stats(h, h_dec, w) if model.cepe_config.mix_stats else None
-        return mix_nll(logp_ctx, logp_dec, mix_logit(model.mix_head, h, h_dec, stats)).mean()
+        return mixture_token_nll(model, hidden, alone, labels, head, fast).mean()
     if not fast or cap:
         return F.cross_entropy(model.lm_logits(h).float(), y)
     dev = hidden.device.type
