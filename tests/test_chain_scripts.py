@@ -125,25 +125,36 @@ def test_the_rebuild_chains_the_nine_stages_and_stops_cleanly_with_them(tmp_path
     assert "fast_warmup: stopped by signal 15" in (root / "runs/recipe/chain.log").read_text()
 
 
-def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_it(tmp_path):
-    """With the nine stages done, the average written and probed, ``rebuild_choice.sh`` goes on to the
-    stages from it to the validation choice (``fast_soup_run`` ... ``fast_soup_linux_s2``) and, when the
-    first is stopped, says so instead of probing; the route with run biases has no such stages."""
+NINE = (
+    "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa fast_fold_qa2 "
+    "fast_fold_gates fast_fold_break_only"
+).split()
+
+
+def _done_up_to_the_average(tmp_path: Path, stages: list[str], probed: tuple[str, ...]) -> Path:
+    """A stand-in tree where ``stages`` are done, the average is written, ``fast_soup_linux_s2``'s data set
+    is prepared and the probes of ``probed`` (names under ``results/recipe/``, step 40) exist."""
     root = _with_stand_in_cepe(tmp_path, 128 + 15)
-    for name in (
-        "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa "
-        "fast_fold_qa2 fast_fold_gates fast_fold_break_only"
-    ).split():
+    for name in stages:
         (root / f"runs/recipe/{name}").mkdir(parents=True)
         (root / f"runs/recipe/{name}/status.json").write_text('{"state": "done"}')
     (root / "runs/soup/qa2_gates_break").mkdir(parents=True)
     (root / "runs/soup/qa2_gates_break/cepe_config.json").write_text("{}")
     (root / "runs/data/mini_linux").mkdir(parents=True)  # fast_soup_linux_s2's data set, prepared
     (root / "runs/data/mini_linux/summary.json").write_text("{}")
-    probes = root / "results/recipe/soup_qa2_gates_break_rebuilt/step040"
-    for rel in ("copy_val/copy.json", "fixedppl/fixedppl.json"):
-        (probes / rel).parent.mkdir(parents=True, exist_ok=True)
-        (probes / rel).write_text("{}")
+    for name in probed:
+        for rel in ("copy_val/copy.json", "fixedppl/fixedppl.json"):
+            path = root / f"results/recipe/{name}/step040" / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+    return root
+
+
+def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_it(tmp_path):
+    """With the nine stages done, the average written and probed, ``rebuild_choice.sh`` goes on to the
+    stages from it to the validation choice (``fast_soup_run`` ... ``fast_soup_linux_s2``) and, when the
+    first is stopped, says so instead of probing; the route with run biases has no such stages."""
+    root = _done_up_to_the_average(tmp_path, NINE, ("soup_qa2_gates_break_rebuilt",))
     proc = subprocess.run(["bash", "scripts/rebuild_choice.sh"], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     _wait(root / "runs/recipe/rebuild.pid")
@@ -161,23 +172,10 @@ def test_the_rebuild_trains_the_choice_over_the_average_and_stops_cleanly_with_i
 def test_the_rebuild_ends_with_the_mixing_head_over_the_choice(tmp_path):
     """With the choice trained and probed, ``rebuild_choice.sh`` trains the output mixture's head over it
     (``mix_choice``) and, when that stage is stopped, says so instead of probing it."""
-    root = _with_stand_in_cepe(tmp_path, 128 + 15)
-    for name in (
-        "fast_warmup fast_direct_copy fast_direct_recall2 fast_direct_8kd fast_fold fast_fold_qa "
-        "fast_fold_qa2 fast_fold_gates fast_fold_break_only fast_soup_run fast_soup_run2 fast_soup_run3 "
-        "fast_soup_linux_s2"
-    ).split():
-        (root / f"runs/recipe/{name}").mkdir(parents=True)
-        (root / f"runs/recipe/{name}/status.json").write_text('{"state": "done"}')
-    (root / "runs/soup/qa2_gates_break").mkdir(parents=True)
-    (root / "runs/soup/qa2_gates_break/cepe_config.json").write_text("{}")
-    (root / "runs/data/mini_linux").mkdir(parents=True)
-    (root / "runs/data/mini_linux/summary.json").write_text("{}")
-    for probed in ("soup_qa2_gates_break_rebuilt", "fast_soup_linux_s2_rebuilt"):
-        for rel in ("copy_val/copy.json", "fixedppl/fixedppl.json"):
-            path = root / f"results/recipe/{probed}/step040" / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("{}")
+    choice = ["fast_soup_run", "fast_soup_run2", "fast_soup_run3", "fast_soup_linux_s2"]
+    root = _done_up_to_the_average(
+        tmp_path, NINE + choice, ("soup_qa2_gates_break_rebuilt", "fast_soup_linux_s2_rebuilt")
+    )
     proc = subprocess.run(["bash", "scripts/rebuild_choice.sh"], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     _wait(root / "runs/recipe/rebuild.pid")
