@@ -188,9 +188,6 @@ class CepeConfig:
             comes from a head over both final hidden states (``mix_head``; zero at first: λ = ½). The
             decoder runs twice (one batch of 2B rows); without a context the model is the decoder, as
             always (beyond the released code; ``cepe.mixture``).
-        mix_stats: with ``output_mix``, the head also reads six statistics of the two distributions (each
-            side's entropy and top log-probability, each side's log-probability of the other's top token;
-            ``cepe.mixture.mix_stats``), as constants (no gradient flows through them).
     """
 
     encoder: EncoderConfig
@@ -220,7 +217,6 @@ class CepeConfig:
     run_bias: bool = False
     context_scale: float = 1.0
     output_mix: bool = False
-    mix_stats: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -271,10 +267,6 @@ class CepeConfig:
         check(
             math.isfinite(self.context_scale) and self.context_scale >= 0,
             f"context_scale must be a finite number >= 0 (1.0 = as trained), got {self.context_scale!r}",
-        )
-        check(
-            self.output_mix or not self.mix_stats,
-            "mix_stats is an input of output_mix's head: set output_mix",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

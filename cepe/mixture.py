@@ -21,43 +21,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-N_STATS = 6  # the statistics :func:`mix_stats` gives per position
-STATS_FLOOR = -30.0  # log-probabilities below this are read as this
 
-
-def mix_head(hidden_size: int, like: torch.Tensor, stats: bool = False) -> nn.Linear:
-    """The mixing head ``Linear(2·D (+ 6 with stats), 1)``, all zero (λ = ½ everywhere until it trains), on
-    ``like``'s device, in fp32."""
-    width = 2 * hidden_size + (N_STATS if stats else 0)
-    head = nn.Linear(width, 1, bias=True, device=like.device, dtype=torch.float32)
+def mix_head(hidden_size: int, like: torch.Tensor) -> nn.Linear:
+    """The mixing head ``Linear(2·D, 1)``, all zero (λ = ½ everywhere until it trains), on ``like``'s
+    device, in fp32."""
+    head = nn.Linear(2 * hidden_size, 1, bias=True, device=like.device, dtype=torch.float32)
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()
     return head
 
 
-@torch.no_grad()
-def mix_stats(logits_ctx: torch.Tensor, logits_dec: torch.Tensor) -> torch.Tensor:
-    """Six statistics ``(..., 6)`` (fp32, no gradient) of the two next-token distributions that say how sure
-    each side is and whether they agree: each side's entropy, each side's top log-probability, and each
-    side's log-probability of the other's top token (``CepeConfig.mix_stats``), all divided by 10 and
-    log-probabilities floored at −30."""
-    lp_c = logits_ctx.float().log_softmax(-1).clamp_min(STATS_FLOOR)
-    lp_d = logits_dec.float().log_softmax(-1).clamp_min(STATS_FLOOR)
-    top_c, arg_c = lp_c.max(-1, keepdim=True)
-    top_d, arg_d = lp_d.max(-1, keepdim=True)
-    ent_c = -(lp_c.exp() * lp_c).sum(-1, keepdim=True)
-    ent_d = -(lp_d.exp() * lp_d).sum(-1, keepdim=True)
-    return torch.cat([ent_c, ent_d, top_c, top_d, lp_d.gather(-1, arg_c), lp_c.gather(-1, arg_d)], -1) / 10
-
-
-def mix_logit(
-    head: nn.Linear, h_ctx: torch.Tensor, h_dec: torch.Tensor, stats: torch.Tensor | None = None
-) -> torch.Tensor:
+def mix_logit(head: nn.Linear, h_ctx: torch.Tensor, h_dec: torch.Tensor) -> torch.Tensor:
     """``a`` ``(...)`` in fp32 (λ = σ(a)) from the final hidden states ``(..., D)`` with and without the
-    context (and :func:`mix_stats` ``(..., 6)`` for a head that reads them)."""
-    parts = [h_ctx, h_dec] + ([] if stats is None else [stats])
-    x = torch.cat([p.to(head.weight.dtype) for p in parts], dim=-1)
+    context."""
+    x = torch.cat([h_ctx, h_dec], dim=-1).to(head.weight.dtype)
     with torch.autocast(x.device.type, enabled=False):
         return head(x).squeeze(-1).float()
 

@@ -28,7 +28,7 @@ from .cross_attention import CrossContext, zero_linear
 from .encoder import ContextEncoder
 from .fileio import umask
 from .layers import norm_scale
-from .mixture import mix_head, mix_logit, mix_logits, mix_stats
+from .mixture import mix_head, mix_logit, mix_logits
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
 
@@ -88,7 +88,7 @@ class CepeForCausalLM(nn.Module):
         )
         self.mix_head = None
         if cepe_config.output_mix:
-            self.mix_head = mix_head(int(decoder.config.hidden_size), p, cepe_config.mix_stats)
+            self.mix_head = mix_head(int(decoder.config.hidden_size), p)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -309,19 +309,12 @@ class CepeForCausalLM(nn.Module):
                 m.run_bias = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
         self.cepe_config.run_bias = True
 
-    def enable_output_mix(self, stats: bool = False) -> None:
-        """Give an adapter trained without it the output mixture (``CepeConfig.output_mix``, with ``stats``
-        its head also reading ``mix_stats``) and its zero head (λ = ½: unlike the gates, this changes the
-        function until the head trains). Idempotent; an existing head of the other kind is an error."""
+    def enable_output_mix(self) -> None:
+        """Give an adapter trained without it the output mixture (``CepeConfig.output_mix``) and its zero
+        head (λ = ½: unlike the gates, this changes the function until the head trains). Idempotent."""
         if self.mix_head is None:
-            p = next(self.decoder.parameters())
-            self.mix_head = mix_head(int(self.decoder.config.hidden_size), p, stats)
-            self.cepe_config.output_mix, self.cepe_config.mix_stats = True, stats
-        elif self.cepe_config.mix_stats != stats:
-            raise ValueError(
-                f"this adapter's mixing head {'reads' if self.cepe_config.mix_stats else 'does not read'} "
-                f"mix_stats; a head of the other kind is a new head: start from an adapter without output_mix"
-            )
+            self.mix_head = mix_head(int(self.decoder.config.hidden_size), next(self.decoder.parameters()))
+        self.cepe_config.output_mix = True
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -622,9 +615,8 @@ class CepeForCausalLM(nn.Module):
     def mixed_logits(self, h_ctx: torch.Tensor, h_dec: torch.Tensor) -> torch.Tensor:
         """The output mixture's logits ``(..., V)`` (fp32) from final hidden states ``(..., D)`` with and
         without the context (:func:`cepe.mixture.mix_logits`)."""
-        logits_ctx, logits_dec = self.lm_logits(h_ctx), self.lm_logits(h_dec)
-        stats = mix_stats(logits_ctx, logits_dec) if self.cepe_config.mix_stats else None
-        return mix_logits(logits_ctx, logits_dec, mix_logit(self.mix_head, h_ctx, h_dec, stats))
+        a = mix_logit(self.mix_head, h_ctx, h_dec)
+        return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), a)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The decoder's output head on hidden states ``(..., D_dec)`` -> ``(..., V)`` (with soft-capping

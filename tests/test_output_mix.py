@@ -15,7 +15,7 @@ from conftest import (
 )
 
 from cepe import CepeForCausalLM
-from cepe.mixture import mix_logit, mix_logits, mix_logits_ref, mix_nll, mix_stats
+from cepe.mixture import mix_logit, mix_logits, mix_logits_ref, mix_nll
 from cepe.training.speed import chunked_target_logprobs
 
 
@@ -88,12 +88,10 @@ def test_chunked_target_logprobs_agree_with_the_plain_path():
         chunked_target_logprobs(h, w.requires_grad_(), y)
 
 
-@pytest.mark.parametrize("stats", [False, True])
-def test_the_model_computes_the_mixture(stats):
+def test_the_model_computes_the_mixture():
     """Logits = the mixture of the same adapter without ``output_mix`` and the decoder alone, λ from the head
-    over both final hidden states (and the statistics of both distributions); the loss is its
-    cross-entropy."""
-    model = _mixed(mix_stats=stats)
+    over both final hidden states; the loss is its cross-entropy."""
+    model = _mixed()
     plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config()).eval()
     plain.load_adapter_state_dict(
         {k: v for k, v in model.adapter_state_dict().items() if "mix_head" not in k}
@@ -109,7 +107,7 @@ def test_the_model_computes_the_mixture(stats):
         h_dec = tiny_decoder().get_decoder()(ids).last_hidden_state
         lc = plain(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
         ld = tiny_decoder()(ids).logits
-        a = mix_logit(model.mix_head, h_ctx, h_dec, mix_stats(lc, ld) if stats else None)
+        a = mix_logit(model.mix_head, h_ctx, h_dec)
     want = mix_logits_ref(lc, ld, a)
     torch.testing.assert_close(out.logits.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
     nll = -want[:, :-1].gather(-1, ids[:, 1:, None]).mean()
@@ -160,37 +158,6 @@ def test_generate_at_the_mixture_limits(beams):
         got = model.generate(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, **kw)
         assert torch.equal(got, want)
         assert "forward" not in model.decoder.__dict__  # the generate-time forward is removed
-
-
-def test_mix_stats_by_hand():
-    p_c = torch.tensor([[0.7, 0.2, 0.1], [1e-20, 0.5, 0.5]])
-    p_d = torch.tensor([[0.1, 0.3, 0.6], [0.25, 0.5, 0.25]])
-    got = mix_stats(p_c.log(), p_d.log()) * 10
-    lp_c, lp_d = p_c.log().clamp_min(-30), p_d.log()
-    ent = lambda p, lp: -(p * lp).sum(-1)  # noqa: E731
-    want = torch.stack(
-        [
-            ent(p_c, lp_c),
-            ent(p_d, lp_d),
-            lp_c.max(-1).values,
-            lp_d.max(-1).values,
-            torch.stack([lp_d[0, 0], lp_d[1, 1]]),  # the decoder's log p of the reader's top token
-            torch.stack([lp_c[0, 2], lp_c[1, 1]]),  # and the reverse
-        ],
-        -1,
-    )
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert got.min() >= -30  # the floor
-
-
-def test_mix_stats_needs_output_mix_and_heads_of_one_kind():
-    with pytest.raises(ValueError, match="mix_stats is an input of output_mix"):
-        tiny_cepe_config(mix_stats=True)
-    model = _mixed(mix_stats=True)
-    assert model.mix_head.weight.shape[1] == 2 * 64 + 6
-    model.enable_output_mix(stats=True)  # idempotent
-    with pytest.raises(ValueError, match="reads mix_stats"):
-        model.enable_output_mix()
 
 
 def test_save_load_and_enable(tmp_path):

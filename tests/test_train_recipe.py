@@ -1267,7 +1267,7 @@ def test_mixed_stage_with_the_output_mixture_logs_each_kind_from_one_pass(tmp_pa
     from cepe.training.models import StageModule, build_model
     from cepe.training.speed import lm_loss
 
-    cfg = _mixed(tmp_path, cepe={"output_mix": True, "mix_stats": True})
+    cfg = _mixed(tmp_path, cepe={"output_mix": True})
     model = build_model(cfg)
     with torch.no_grad():
         model.mix_head.weight.normal_(0, 0.1)

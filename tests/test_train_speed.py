@@ -121,8 +121,7 @@ def test_fast_paths_keep_the_tiny_loss_curve(tmp_path, stage, bf16):
     assert b == pytest.approx(a, rel=1e-5 if bf16 == "false" else 1e-3, abs=0), (a, b)
 
 
-@pytest.mark.parametrize("stats", ["false", "true"])
-def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path, stats):
+def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path):
     """The mixture's loss from each side's target log-probability alone (fast) is the cross-entropy of
     the mixed logits (reference): for the whole adapter, then for the head alone (``train_only``) over the
     adapter that trained, whose head learns."""
@@ -130,7 +129,6 @@ def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path, stats):
     from cepe.training.models import build_decoder
 
     kw = {"steps": 6, "save_every": 6, "optim.lr": "1e-3", "init_adapter": "null", "cepe.output_mix": "true"}
-    kw["cepe.mix_stats"] = stats
     whole = tmp_path / "whole"
     for first in (True, False):
         ref = train(_cfg("cepe", tmp_path / f"ref{first}", reference_path="true", **kw))
@@ -175,7 +173,6 @@ def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
         {},
         {"cepe.output_mix": "true"},
         {"cepe.output_mix": "true", "train_only": "[mix_head]"},
-        {"cepe.output_mix": "true", "cepe.mix_stats": "true"},
     ],
 )
 def test_cost_model_counts_what_the_step_multiplies(tmp_path, extra):

@@ -156,23 +156,6 @@ def chunked_target_logprobs(
     return _ChunkedTargetLogProb.apply(hidden, weight, labels, rows)
 
 
-@torch.no_grad()
-def chunked_mix_stats(
-    h_ctx: torch.Tensor, h_dec: torch.Tensor, weight: torch.Tensor, chunk: int | None = None
-) -> torch.Tensor:
-    """:func:`cepe.mixture.mix_stats` ``(N, 6)`` of the heads' logits over ``(N, D)`` hidden states with and
-    without the context, chunk by chunk of rows (never all logits at once; no gradient)."""
-    from cepe.mixture import N_STATS, mix_stats
-
-    rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    out = torch.empty(h_ctx.shape[0], N_STATS, dtype=torch.float32, device=h_ctx.device)
-    for s in range(0, h_ctx.shape[0], rows):
-        lc = h_ctx[s : s + rows].to(weight.dtype) @ weight.t()
-        ld = h_dec[s : s + rows].to(weight.dtype) @ weight.t()
-        out[s : s + rows] = mix_stats(lc, ld)
-    return out
-
-
 class HeadWeight:
     """The decoder's output embedding in the compute dtype, converted once (a tied head stays shared)."""
 
@@ -214,8 +197,7 @@ def mixture_token_nll(
         w = head.get(model.decoder, dtype)
         logp_ctx = chunked_target_logprobs(h, w, y)
         logp_dec = chunked_target_logprobs(h_dec, w, y)
-        stats = chunked_mix_stats(h, h_dec, w) if model.cepe_config.mix_stats else None
-    return mix_nll(logp_ctx, logp_dec, mix_logit(model.mix_head, h, h_dec, stats))
+    return mix_nll(logp_ctx, logp_dec, mix_logit(model.mix_head, h, h_dec))
 
 
 def lm_loss(
@@ -331,11 +313,9 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         bwd_lin = bwd_att = 0
     mix_head = getattr(model, "mix_head", None)
     if mix_head is not None:
-        # the output mixture: the decoder alone, its head at the targets, the mixing head (and with its
-        # statistics both heads again)
+        # the output mixture: the decoder alone, its head at the targets, the mixing head
         mixing = 2 * (n - 1) * mix_head.weight.shape[1]
-        stats = 2 * head if model.cepe_config.mix_stats else 0
-        fwd_lin += dec.layers * linear + head + mixing + stats
+        fwd_lin += dec.layers * linear + head + mixing
         fwd_att += dec.layers * attn
         bwd_lin += mixing * (int(mix_head.weight.requires_grad) + int(stream_grad))
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
@@ -361,6 +341,5 @@ COST_MODEL = (
     "encoder and cross-attention (frozen ones: input gradients only), 1x forward (attention 2x) for frozen decoder layers above the lowest "
     "cross-attention layer, its MLP and the head; no backward below it; an online CEPED teacher adds "
     "the decoder's forward over context + decoder tokens (up to its positions; times the share of examples "
-    "it runs for); the output mixture adds the decoder's forward without the context and its mixing head "
-    "(with its statistics, both heads again)"
+    "it runs for); the output mixture adds the decoder's forward without the context and its mixing head"
 )
