@@ -10,6 +10,7 @@ The environment variable ``CEPE_BF16`` overrides the measurement: ``1`` forces b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -77,6 +78,15 @@ def resolve_bf16(setting: bool | str, device: str | torch.device = "cpu") -> boo
 def autocast_dtype(device: str | torch.device = "cpu") -> torch.dtype | None:
     """``torch.bfloat16`` where bf16 is fast on ``device``, else None (run in fp32)."""
     return torch.bfloat16 if bf16_is_fast(device) else None
+
+
+def autocast(device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` where bf16 is fast there (:func:`autocast_dtype`), else a no-op (fp32): what
+    the evaluations' ``--autocast auto`` runs, for probes and scripts."""
+    dtype = autocast_dtype(device)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def describe(device: str | torch.device = "cpu") -> str:

@@ -9,6 +9,9 @@ it prints the mean NLL of the last ``--eval-tokens`` tokens:
 2. with every per-head gate of a gated adapter (``init_mode: gate``) scaled by each factor of
    ``--scales`` (a too-strong cross-attention shows as a minimum below 1).
 
+For an adapter with the output mixture (``CepeConfig.output_mix``) the first table adds the mean mixing
+weight λ each token kind gets (a head that knows where reading helps gives the first kind the most).
+
 Usage: python scripts/gate_probe.py ADAPTER [--total 1024] [--scales 0 0.25 0.5 0.75 1]
 Writes nothing; pause a training run on the same cores first.
 """
@@ -20,6 +23,7 @@ from collections import defaultdict
 
 import torch
 
+from cepe.compute import autocast
 from cepe.configio import read_config_file
 from cepe.eval.common import chunk_tail_aligned, iter_source
 from cepe.eval.tasks.lm import sample_sequences
@@ -42,10 +46,24 @@ def windows(tok, config: str, total: int, window: int, chunk: int, per_domain: i
 
 @torch.no_grad()
 def token_nll(model, dec: torch.Tensor, enc: torch.Tensor | None, n: int) -> torch.Tensor:
-    """NLL ``(n,)`` of the last ``n`` tokens of ``dec`` ``(1, W)``, bf16 autocast as the evaluations."""
-    with torch.autocast("cpu", torch.bfloat16):
+    """NLL ``(n,)`` of the last ``n`` tokens of ``dec`` ``(1, W)``, bf16 autocast where it is fast, as the evaluations."""
+    with autocast("cpu"):
         logits = model(input_ids=dec, encoder_input_ids=enc).logits[0, :-1].float()
     return -logits.log_softmax(-1).gather(-1, dec[0, 1:, None])[-n:, 0]
+
+
+def nll_and_mix(model, dec: torch.Tensor, enc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_nll` with the context, and the output mixture's λ ``(n,)`` for the same tokens (the
+    mixing head's logit captured from that forward pass; zeros for an adapter without the mixture)."""
+    if getattr(model, "mix_head", None) is None:
+        return token_nll(model, dec, enc, n), torch.zeros(n)
+    seen: list[torch.Tensor] = []
+    hook = model.mix_head.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+    try:
+        nll = token_nll(model, dec, enc, n)
+    finally:
+        hook.remove()
+    return nll, torch.sigmoid(seen[-1].float().reshape(-1)[:-1][-n:])
 
 
 def window_args(p: argparse.ArgumentParser) -> None:
@@ -68,9 +86,10 @@ def main() -> None:
     model, tok, _ = load_model(a.adapter)
     data = windows(tok, a.config, a.total, a.window, a.chunk, a.per_domain)
 
-    kinds: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    mixed = getattr(model, "mix_head", None) is not None
+    kinds: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for domain, dec, enc, ctx in data:
-        with_ctx = token_nll(model, dec, enc, a.eval_tokens)
+        with_ctx, lam = nll_and_mix(model, dec, enc, a.eval_tokens)
         alone = token_nll(model, dec, None, a.eval_tokens)
         ids, bigrams, seen = dec[0].tolist(), set(zip(ctx[:-1], ctx[1:])), set(ctx)
         for i in range(a.eval_tokens):
@@ -86,11 +105,12 @@ def main() -> None:
             k[0] += 1
             k[1] += with_ctx[i].item()
             k[2] += alone[i].item()
-    print(
-        "| domain | token kind | n | with context | decoder alone | difference |\n|---|---|---|---|---|---|"
-    )
-    for (domain, kind), (n, c, t) in sorted(kinds.items()):
-        print(f"| {domain} | {kind} | {n} | {c / n:.3f} | {t / n:.3f} | {(c - t) / n:+.3f} |")
+            k[3] += lam[i].item()
+    head = "| domain | token kind | n | with context | decoder alone | difference |" + (" mean λ |" * mixed)
+    print(head + "\n" + "|---" * (head.count("|") - 1) + "|")
+    for (domain, kind), (n, c, t, lsum) in sorted(kinds.items()):
+        row = f"| {domain} | {kind} | {n} | {c / n:.3f} | {t / n:.3f} | {(c - t) / n:+.3f} |"
+        print(row + (f" {lsum / n:.3f} |" if mixed else ""))
 
     gates = [m.gate for m in model.cross_attention_modules() if m.gate is not None]
     if not gates:

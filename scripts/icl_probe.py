@@ -25,6 +25,7 @@ import random
 
 import torch
 
+from cepe.compute import autocast
 from cepe.cross_attention import AlignProbe
 from cepe.generation import load_model
 from cepe.modeling import packed_positions
@@ -100,7 +101,7 @@ def main() -> None:
         first = int((labels != -100).nonzero()[0, 0])
         prefix, gold = dec[:first], info["scored_classes"][0]
         enc, mask = enc[None], mask[None]
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        with torch.no_grad(), autocast("cpu"):
             states, key_mask = model.encode_context(enc, mask)  # (1, S, D), (1, S): once per example
             with_ctx = label_logprob(model, prefix, info["label_ids"], states, key_mask)
             alone = label_logprob(model, prefix, info["label_ids"], None, None)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from gate_probe import window_args, windows
 
+from cepe.compute import autocast
 from cepe.eval.common import chunk_tail_aligned
 from cepe.fileio import write_json, write_text
 from cepe.generation import load_model
@@ -105,7 +106,7 @@ def record(model, dec: torch.Tensor, enc: torch.Tensor, n: int) -> dict[str, tor
         if m.match_gate is not None:
             m.match_record = []
     try:
-        with torch.autocast("cpu", torch.bfloat16):
+        with autocast("cpu"):
             model(input_ids=dec, encoder_input_ids=enc)
         out = {"ι̂": torch.stack([m.induction_record[0][0, :, -n:] for m in mods])}
         if mods[0].match_gate is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from cepe.compute import autocast
 from cepe.training.config import load_config
 from cepe.training.data import build_example, collate, window_source
 from cepe.training.models import build_model
@@ -41,13 +42,13 @@ def main() -> None:
                     "data": {"corpus": "runs/data/mini", "ratio": [1, 1], "shuffle": shuffle},
                     "warmup_tokens": 128,
                     "warmup_chunks": 2,
-                    "bf16": True,
+                    "bf16": "auto",
                 }
             )
             model = build_model(cfg).eval()
             src = window_source(cfg, int(model.config.vocab_size))
             batch = collate([build_example(cfg, src[i], i, None) for i in range(8)])
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad(), autocast("cpu"):
                 ctx = model(
                     batch["input_ids"],
                     encoder_input_ids=batch["encoder_input_ids"],

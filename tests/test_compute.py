@@ -16,6 +16,12 @@ def test_override_and_resolution(monkeypatch):
     monkeypatch.setenv("CEPE_BF16", "0")
     assert compute.resolve_bf16("auto") is False and compute.autocast_dtype("cpu") is None
     assert compute.resolve_bf16(True) is True and compute.resolve_bf16(False) is False
+    x = torch.randn(4, 4)
+    with compute.autocast("cpu"):
+        assert (x @ x).dtype is torch.float32  # fp32: no autocast
+    monkeypatch.setenv("CEPE_BF16", "1")
+    with compute.autocast("cpu"):
+        assert (x @ x).dtype is torch.bfloat16
     monkeypatch.setenv("CEPE_BF16", "maybe")
     with pytest.raises(ValueError, match="CEPE_BF16 must be 1 or 0"):
         compute.bf16_is_fast("cpu")
