@@ -188,6 +188,12 @@ class CepeConfig:
             comes from a head over both final hidden states (``mix_head``; zero at first: λ = ½). The
             decoder runs twice (one batch of 2B rows); without a context the model is the decoder, as
             always (beyond the released code; ``cepe.mixture``).
+        mix_match: with ``output_mix``, K > 0 adds K suffix-match indicators to the head's inputs: whether
+            the decoder's last k tokens (k = 1..K) occur in the context's text with a token after them
+            (``cepe.mixture.suffix_match_features``; the head gets K more weights, zero at first). The
+            context must then be given as token ids (not only as encoder states). 0 = off.
+        mix_hidden: with ``mix_match``, False gives the head the indicators alone (K + 1 weights), not the
+            hidden states.
     """
 
     encoder: EncoderConfig
@@ -217,6 +223,8 @@ class CepeConfig:
     run_bias: bool = False
     context_scale: float = 1.0
     output_mix: bool = False
+    mix_match: int = 0
+    mix_hidden: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -267,6 +275,18 @@ class CepeConfig:
         check(
             math.isfinite(self.context_scale) and self.context_scale >= 0,
             f"context_scale must be a finite number >= 0 (1.0 = as trained), got {self.context_scale!r}",
+        )
+        check(
+            isinstance(self.mix_match, int) and not isinstance(self.mix_match, bool) and self.mix_match >= 0,
+            f"mix_match must be a number of suffix lengths >= 0 (0 = off), got {self.mix_match!r}",
+        )
+        check(
+            self.output_mix or self.mix_match == 0,
+            "mix_match adds inputs to the output mixture's head: set output_mix too (or mix_match: 0)",
+        )
+        check(
+            self.mix_hidden or self.mix_match > 0,
+            "mix_hidden: false leaves the mixing head only its bias: give mix_match > 0 (or mix_hidden: true)",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

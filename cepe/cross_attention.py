@@ -49,6 +49,12 @@ class CrossContext:
             key its last query attended to most ``(B, H)`` and the number of decoder tokens seen by then, so
             that the next incremental call (generation) continues the run; kept only without autograd.
         read_memo: :attr:`match_memo` for the induction statistic and the run biases' successor keys.
+        match_ids: ``(B, S)`` the context's token ids in order, -1 on padding (``CepeConfig.mix_match``:
+            the output mixture's suffix-match inputs); None otherwise.
+        match_order: K, the suffix lengths those inputs cover (0 = none).
+        mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
+            decoder tokens seen by then, so that the next incremental call's suffixes continue the
+            sequence; kept only without autograd.
     """
 
     states: torch.Tensor
@@ -66,6 +72,10 @@ class CrossContext:
     read_state: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     read_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
     doubled: CrossContext | None = field(default=None, repr=False, compare=False)
+    match_ids: torch.Tensor | None = None
+    match_order: int = 0
+    mix_tail: tuple[torch.Tensor, int] | None = None
+    grams: list[list[torch.Tensor]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -73,9 +83,43 @@ class CrossContext:
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Follow a reordering of the decoder's rows (beam search): each layer's :attr:`read_state` row i
-        becomes row ``rows[i]``'s."""
+        becomes row ``rows[i]``'s, and so does the decoder's tail (:attr:`mix_tail`: the first rows, those
+        that read the context, when the context was doubled for the output mixture)."""
         for layer, (where, seen) in list(self.read_state.items()):
             self.read_state[layer] = (where.index_select(0, rows.to(where.device)), seen)
+        if self.mix_tail is not None:
+            tail, seen = self.mix_tail
+            self.mix_tail = (tail.index_select(0, rows[: tail.shape[0]].to(tail.device)), seen)
+
+    def suffix_features(self, input_ids: torch.Tensor, past: int) -> torch.Tensor:
+        """The suffix-match inputs ``(n, T, K)`` of the decoder rows ``input_ids`` ``(n, T)`` (the first
+        ``n`` rows of this context), a call that starts after ``past`` decoder tokens: the tokens before
+        come from :attr:`mix_tail` when the previous call ended there (else they are unknown and match
+        nothing). Without autograd the end of this call is kept for the next."""
+        from cepe.mixture import context_grams, suffix_match_features
+
+        if self.match_ids is None or self.match_order < 1:
+            raise ValueError(
+                "the output mixture's suffix-match inputs (mix_match) need the context's token ids: give "
+                "encoder_input_ids, not only encoder_hidden_states"
+            )
+        n, k = input_ids.shape[0], self.match_order
+        if self.grams is None or len(self.grams) < n:
+            ids = self.match_ids[:n]
+            self.grams = context_grams(ids, ids >= 0, k)
+        tail = None
+        if (
+            past > 0
+            and self.mix_tail is not None
+            and self.mix_tail[1] == past
+            and self.mix_tail[0].shape[0] == n
+        ):
+            tail = self.mix_tail[0]
+        feats = suffix_match_features(input_ids, self.grams[:n], tail)
+        if not torch.is_grad_enabled() and k > 1:
+            before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)
+            self.mix_tail = (torch.cat([before, input_ids], dim=1)[:, -(k - 1) :], past + input_ids.shape[1])
+        return feats
 
     def with_decoder_rows(self) -> CrossContext:
         """This context for a decoder batch of ``2B`` rows whose last ``B`` rows read nothing (the output
@@ -98,6 +142,10 @@ class CrossContext:
                 torch.cat([has, torch.zeros_like(has)]),
                 out_scale=self.out_scale,
                 log_n=None if self.log_n is None else torch.cat([self.log_n, torch.zeros_like(self.log_n)]),
+                match_ids=None
+                if self.match_ids is None
+                else torch.cat([self.match_ids, torch.full_like(self.match_ids, -1)]),
+                match_order=self.match_order,
             )
         return self.doubled
 
@@ -123,6 +171,8 @@ class CrossContext:
             rep(self.has_context),
             out_scale=self.out_scale,
             log_n=rep(self.log_n),
+            match_ids=rep(self.match_ids),
+            match_order=self.match_order,
         )
 
 

@@ -22,20 +22,32 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def mix_head(hidden_size: int, like: torch.Tensor) -> nn.Linear:
-    """The mixing head ``Linear(2·D, 1)``, all zero (λ = ½ everywhere until it trains), on ``like``'s
-    device, in fp32."""
-    head = nn.Linear(2 * hidden_size, 1, bias=True, device=like.device, dtype=torch.float32)
+def mix_head(hidden_size: int, like: torch.Tensor, match: int = 0, hidden: bool = True) -> nn.Linear:
+    """The mixing head ``Linear(2·D + K, 1)`` (``Linear(K, 1)`` without the hidden states), all zero (λ = ½
+    everywhere until it trains), on ``like``'s device, in fp32; ``match`` = K suffix-match inputs."""
+    head = nn.Linear(
+        2 * hidden_size * int(hidden) + match, 1, bias=True, device=like.device, dtype=torch.float32
+    )
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()
     return head
 
 
-def mix_logit(head: nn.Linear, h_ctx: torch.Tensor, h_dec: torch.Tensor) -> torch.Tensor:
+def mix_logit(
+    head: nn.Linear,
+    h_ctx: torch.Tensor,
+    h_dec: torch.Tensor,
+    match: torch.Tensor | None = None,
+    hidden: bool = True,
+) -> torch.Tensor:
     """``a`` ``(...)`` in fp32 (λ = σ(a)) from the final hidden states ``(..., D)`` with and without the
-    context."""
-    x = torch.cat([h_ctx, h_dec], dim=-1).to(head.weight.dtype)
+    context, and the suffix-match indicators ``(..., K)`` where the head takes them (``hidden`` False: the
+    indicators alone)."""
+    parts = [h_ctx, h_dec] if hidden else []
+    if match is not None:
+        parts.append(match.to(h_ctx.dtype))
+    x = torch.cat(parts, dim=-1).to(head.weight.dtype)
     with torch.autocast(x.device.type, enabled=False):
         return head(x).squeeze(-1).float()
 
@@ -80,3 +92,80 @@ def mix_nll(logp_ctx: torch.Tensor, logp_dec: torch.Tensor, a: torch.Tensor) -> 
     """Per-position negative log-likelihood ``(N,)`` of the mixture from the target's log-probabilities
     under each side ``(N,)`` and the mixing logit ``(N,)`` (all the mixture needs at a known target)."""
     return -torch.logaddexp(F.logsigmoid(a) + logp_ctx.float(), F.logsigmoid(-a) + logp_dec.float())
+
+
+# ---------------------------------------------------------------------------------------- suffix matches
+# Whether the decoder's last k tokens occur in the context's text with a token after them (what a copy of
+# the context would continue): an exact fact about the token ids that the final hidden states carry only
+# faintly (docs/TRAINING.md, "The reader trained with its head"). Shape legend here: B batch, T decoder
+# tokens, S context tokens, K match orders.
+
+_HASH_BASE = 1_000_003  # k-gram hash: sum of (id + 1)·base^(k-1-m), wrapping in int64
+
+
+def _gram_hashes(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Hashes ``(..., N - k + 1)`` of the k-grams of ``ids`` ``(..., N)`` (ids ≥ 0; a gram with a negative
+    id, a missing token, hashes to -1)."""
+    n = ids.shape[-1] - k + 1
+    h = torch.zeros((*ids.shape[:-1], max(n, 0)), dtype=torch.long, device=ids.device)
+    bad = torch.zeros_like(h, dtype=torch.bool)
+    for m in range(k):
+        part = ids[..., m : m + n]
+        h = h * _HASH_BASE + (part + 1)
+        bad |= part < 0
+    return h.masked_fill(bad, -1)
+
+
+def context_grams(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> list[list[torch.Tensor]]:
+    """Per example, per k = 1..``order``, the sorted hashes of the context's k-grams that a token follows.
+
+    Args:
+        ids: context chunks ``(B, K, L)`` (or ``(B, S)``), read in order as one text.
+        mask: the same shape, True on real tokens (None: all real).
+    """
+    flat = ids.reshape(ids.shape[0], -1)
+    keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
+    out = []
+    for b in range(flat.shape[0]):
+        row = flat[b] if keep is None else flat[b][keep[b]]
+        out.append([_gram_hashes(row[:-1], k).unique() for k in range(1, order + 1)])  # a successor follows
+    return out
+
+
+def suffix_match_features(
+    dec_ids: torch.Tensor, grams: list[list[torch.Tensor]], tail: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, T, K)`` 0/1 in fp32: entry ``(b, t, k-1)`` is 1 when the decoder's tokens ending at ``t`` (``k``
+    of them, the earliest from ``tail`` where ``t < k - 1``) occur in example b's context with a token after
+    them (:func:`context_grams`).
+
+    Args:
+        dec_ids: ``(B, T)`` decoder tokens (a negative id: unknown, e.g. padding, matches nothing).
+        grams: :func:`context_grams` of the context, ``K`` orders per example.
+        tail: ``(B, K - 1)`` the tokens before ``dec_ids`` (an incremental call; -1 where unknown), or None
+            (the sequence starts at ``dec_ids``).
+    """
+    b, t = dec_ids.shape
+    order = len(grams[0]) if grams else 0
+    if tail is None:
+        tail = dec_ids.new_full((b, max(order - 1, 0)), -1)
+    ext = torch.cat([tail, dec_ids], dim=1)  # (B, K - 1 + T)
+    out = torch.zeros((b, t, order), dtype=torch.float32, device=dec_ids.device)
+    for k in range(1, order + 1):
+        h = _gram_hashes(ext[:, order - k :], k)  # (B, T): the k-gram ending at each decoder token
+        for row in range(b):
+            out[row, :, k - 1] = torch.isin(h[row], grams[row][k - 1]) & (h[row] >= 0)
+    return out
+
+
+def suffix_matches_ref(ids: list[int], ctx: list[int], order: int) -> torch.Tensor:
+    """Reference for :func:`suffix_match_features` on one example: ``(len(ids), order)``, by comparing
+    tuples."""
+    found = [{tuple(ctx[i : i + k]) for i in range(len(ctx) - k)} for k in range(1, order + 1)]
+    out = torch.zeros(len(ids), order)
+    for j in range(len(ids)):
+        for k in range(1, min(order, j + 1) + 1):
+            if tuple(ids[j - k + 1 : j + 1]) not in found[k - 1]:
+                break
+            out[j, k - 1] = 1.0
+    return out

@@ -88,7 +88,9 @@ class CepeForCausalLM(nn.Module):
         )
         self.mix_head = None
         if cepe_config.output_mix:
-            self.mix_head = mix_head(int(decoder.config.hidden_size), p)
+            self.mix_head = mix_head(
+                int(decoder.config.hidden_size), p, cepe_config.mix_match, cepe_config.mix_hidden
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -309,12 +311,21 @@ class CepeForCausalLM(nn.Module):
                 m.run_bias = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
         self.cepe_config.run_bias = True
 
-    def enable_output_mix(self) -> None:
+    def enable_output_mix(self, match: int = 0, hidden: bool = True) -> None:
         """Give an adapter trained without it the output mixture (``CepeConfig.output_mix``) and its zero
-        head (λ = ½: unlike the gates, this changes the function until the head trains). Idempotent."""
+        head (λ = ½: unlike the gates, this changes the function until the head trains), with ``match``
+        suffix-match inputs (``mix_match``) and the hidden states as inputs or not (``mix_hidden``).
+        Idempotent; an adapter whose head has other inputs raises ``ValueError``."""
+        c = self.cepe_config
+        if self.mix_head is not None and (c.mix_match, c.mix_hidden) != (match, hidden):
+            raise ValueError(
+                f"this adapter's mixing head takes mix_match {c.mix_match}, mix_hidden {c.mix_hidden}; "
+                f"asked for {match}, {hidden}: train a new adapter from one without output_mix"
+            )
         if self.mix_head is None:
-            self.mix_head = mix_head(int(self.decoder.config.hidden_size), next(self.decoder.parameters()))
-        self.cepe_config.output_mix = True
+            like = next(self.decoder.parameters())
+            self.mix_head = mix_head(int(self.decoder.config.hidden_size), like, match, hidden)
+        c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -479,6 +490,11 @@ class CepeForCausalLM(nn.Module):
             q_scale = torch.tensor(scales, dtype=torch.float32, device=states.device)[:, None, None, None]
         if bool(mask.all()):
             mask = None
+        match_ids, order = None, self.cepe_config.mix_match if self.cepe_config.output_mix else 0
+        if order and encoder_input_ids is not None:
+            match_ids = encoder_input_ids.reshape(encoder_input_ids.shape[0], -1)
+            if encoder_attention_mask is not None:
+                match_ids = match_ids.masked_fill(~encoder_attention_mask.reshape(match_ids.shape).bool(), -1)
         return CrossContext(
             states=states.to(self.dtype) if not torch.is_autocast_enabled(states.device.type) else states,
             key_mask=mask,
@@ -488,6 +504,8 @@ class CepeForCausalLM(nn.Module):
             has_context=has_context,
             out_scale=float(self.cepe_config.context_scale),
             log_n=counts.clamp_min(1).float().log() if self.cepe_config.length_scale else None,
+            match_ids=match_ids,
+            match_order=order,
         )
 
     @contextlib.contextmanager
@@ -600,23 +618,44 @@ class CepeForCausalLM(nn.Module):
         out = self.decoder.get_decoder()(input_ids=torch.cat([input_ids] * 2), attention_mask=mask, **kw)
         hidden = out.last_hidden_state  # (2B, T, D)
         h_ctx, h_dec = hidden[:n], hidden[n:]
+        match = None  # (B, T, K) the suffix-match inputs (mix_match), for this call's start (slot.past)
+        if self.cepe_config.mix_match:
+            match = self._slot.get(2 * n).suffix_features(input_ids, self._slot.past)
         loss = None
         if labels is not None:
             shift = labels[:, 1:]
             sel = shift != -100
-            mixed = self.mixed_logits(h_ctx[:, :-1][sel], h_dec[:, :-1][sel])  # (N, V)
+            m = None if match is None else match[:, :-1][sel]
+            mixed = self.mixed_logits(h_ctx[:, :-1][sel], h_dec[:, :-1][sel], m)  # (N, V)
             loss = F.cross_entropy(mixed, shift[sel], reduction="sum") / sel.sum().clamp_min(1)
         logits = None
         if labels is None or return_logits is None or return_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.mixed_logits(h_ctx[:, keep], h_dec[:, keep])
+            logits = self.mixed_logits(
+                h_ctx[:, keep], h_dec[:, keep], None if match is None else match[:, keep]
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
-    def mixed_logits(self, h_ctx: torch.Tensor, h_dec: torch.Tensor) -> torch.Tensor:
+    def mixed_logits(
+        self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The output mixture's logits ``(..., V)`` (fp32) from final hidden states ``(..., D)`` with and
-        without the context (:func:`cepe.mixture.mix_logits`)."""
-        a = mix_logit(self.mix_head, h_ctx, h_dec)
+        without the context and, with ``mix_match``, the suffix-match inputs ``(..., K)``
+        (:func:`cepe.mixture.mix_logits`)."""
+        a = self.mix_logit(h_ctx, h_dec, match)
         return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), a)
+
+    def mix_logit(
+        self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mixing logit ``(...)`` (λ = σ(a)) of this model's head (:func:`cepe.mixture.mix_logit`);
+        ``match`` ``(..., K)`` is required exactly when the head takes suffix-match inputs."""
+        if (match is None) != (self.cepe_config.mix_match == 0):
+            raise ValueError(
+                f"this mixing head takes {self.cepe_config.mix_match} suffix-match inputs (mix_match); "
+                f"got {'none' if match is None else match.shape[-1]}"
+            )
+        return mix_logit(self.mix_head, h_ctx, h_dec, match, self.cepe_config.mix_hidden)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The decoder's output head on hidden states ``(..., D_dec)`` -> ``(..., V)`` (with soft-capping

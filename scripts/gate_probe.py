@@ -30,10 +30,10 @@ from cepe.eval.tasks.lm import sample_sequences
 from cepe.generation import load_model
 
 
-def windows(tok, config: str, total: int, window: int, chunk: int, per_domain: int):
+def windows(tok, config: str | dict, total: int, window: int, chunk: int, per_domain: int):
     """``[(domain, decoder ids (1, W), encoder chunks (1, K, L), context ids)]`` as ``cepe eval lm`` takes
-    them (same sampler, seed 0)."""
-    cfg = read_config_file(config)
+    them (same sampler, seed 0), from an lm config file or its mapping."""
+    cfg = read_config_file(config) if isinstance(config, str) else config
     out = []
     for src in cfg["sources"]:
         docs = [tok(d["text"])["input_ids"] for d in iter_source(src)]

@@ -146,13 +146,18 @@ def check_read_state_options(model: CepeForCausalLM, switch_off) -> None:
         )
 
 
-def check_incremental_calls(model: CepeForCausalLM, mode: str) -> None:
+def check_incremental_calls(
+    model: CepeForCausalLM, mode: str, ids: torch.Tensor | None = None, enc_ids: torch.Tensor | None = None
+) -> None:
     """A prompt then one token at a time (each call carries on from where the last ended) gives the
-    logits of one call over the whole sequence; a fresh call on the same context starts over."""
+    logits of one call over the whole sequence; a fresh call on the same context starts over. ``ids``
+    ``(2, 10)`` and ``enc_ids`` ``(2, 3, 8)``: other decoder tokens and context than the random ones."""
     import inspect
 
-    ids = ids_of(t=10)
-    enc_ids, enc_mask = random_context(2, 3)
+    ids = ids_of(t=10) if ids is None else ids
+    enc_ids, enc_mask = (
+        random_context(2, 3) if enc_ids is None else (enc_ids, torch.ones_like(enc_ids).bool())
+    )
     enc_mask[1, 2] = False
     with torch.no_grad():
         ctx = model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)

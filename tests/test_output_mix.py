@@ -15,7 +15,9 @@ from conftest import (
 )
 
 from cepe import CepeForCausalLM
-from cepe.mixture import mix_logit, mix_logits, mix_logits_ref, mix_nll
+from cepe.config import CepeConfig
+from cepe.cross_attention import CrossContext
+from cepe.mixture import mix_logit, mix_logits, mix_logits_ref, mix_nll, suffix_matches_ref
 from cepe.training.speed import chunked_target_logprobs
 
 
@@ -175,3 +177,85 @@ def test_save_load_and_enable(tmp_path):
     assert {"mix_head.weight", "mix_head.bias"} <= set(loaded.adapter_state_dict())
     with pytest.raises(ValueError, match="missing keys.*mix_head"):
         model.load_adapter_state_dict(plain.adapter_state_dict())
+
+
+# ------------------------------------------------------------------ suffix-match inputs (mix_match)
+def _matched(hidden: bool = True, seed: int = 3) -> CepeForCausalLM:
+    """A tiny mixture whose head also takes 3 suffix-match inputs, with large weights on them."""
+    model = _mixed(seed, mix_match=3, mix_hidden=hidden)
+    with torch.no_grad():
+        model.mix_head.weight[0, -3:] = torch.tensor([2.0, -3.0, 4.0])
+    return model
+
+
+def _few_tokens(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Ids from four tokens: suffixes of every length recur between context and decoder."""
+    return torch.randint(1, 5, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_the_head_reads_the_suffix_matches(hidden):
+    """Logits = the mixture with λ from the head over [h_cepe; h_decoder; matches] (or the matches alone),
+    the matches from the reference over the context's real tokens read as one text."""
+    model = _matched(hidden)
+    assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 3)
+    ids, enc_ids = _few_tokens((2, 9), 0), _few_tokens((2, 3, 8), 1)
+    enc_mask = torch.ones_like(enc_ids).bool()
+    enc_mask[1, 1:] = False
+    with torch.no_grad():
+        out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        ctx = model.prepare_context(enc_ids, enc_mask)
+        with model.use_context(ctx):
+            h_ctx = model.decoder.get_decoder()(ids).last_hidden_state
+        h_dec = tiny_decoder().get_decoder()(ids).last_hidden_state
+        lc = model.lm_logits(h_ctx)
+        ld = tiny_decoder()(ids).logits
+    match = torch.stack(
+        [suffix_matches_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
+    )
+    assert 0 < match[..., 2].sum() < match[..., 0].sum()  # every order occurs, and not everywhere
+    a = mix_logit(model.mix_head, h_ctx, h_dec, match, hidden)
+    torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        model.mix_head.weight[0, -3:] = 0.0
+        same = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        a0 = mix_logit(model.mix_head, h_ctx, h_dec, match, hidden)
+    torch.testing.assert_close(
+        same.log_softmax(-1).double(), mix_logits_ref(lc, ld, a0), rtol=1e-4, atol=1e-4
+    )
+    assert (same - out).abs().max() > 1e-2  # the matches moved λ
+
+
+@pytest.mark.parametrize("mode", ["kv", "absorbed"])
+def test_incremental_calls_continue_the_suffixes(mode):
+    """One token at a time gives the whole call's logits: each call's suffixes start from the tokens the
+    last call ended with."""
+    check_incremental_calls(_matched(), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
+
+
+def test_beam_search_reorders_the_suffix_tails():
+    check_beam_scores(_matched())
+    ctx = CrossContext(torch.zeros(4, 2, 3), match_ids=torch.zeros(4, 5, dtype=torch.long), match_order=3)
+    ctx.mix_tail = (torch.tensor([[1, 2], [3, 4]]), 7)
+    ctx.reorder(torch.tensor([1, 1, 3, 3]))  # a doubled context: the first half's rows
+    assert torch.equal(ctx.mix_tail[0], torch.tensor([[3, 4], [3, 4]])) and ctx.mix_tail[1] == 7
+
+
+def test_suffix_matches_need_token_ids_and_a_matching_head(tmp_path):
+    model = _matched()
+    with pytest.raises(ValueError, match="need the context's token ids"):
+        model(ids_of(), encoder_hidden_states=torch.randn(2, 6, model.cepe_config.encoder.state_size))
+    with pytest.raises(ValueError, match="set output_mix too"):
+        tiny_cepe_config(mix_match=2)
+    with pytest.raises(ValueError, match="only its bias"):
+        tiny_cepe_config(output_mix=True, mix_hidden=False)
+    with pytest.raises(ValueError, match="mix_match must be"):
+        CepeConfig(encoder=tiny_cepe_config().encoder, output_mix=True, mix_match=-1)
+    with pytest.raises(ValueError, match="takes mix_match 3"):
+        model.enable_output_mix()
+    model.save_pretrained(tmp_path / "m")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "m", decoder=tiny_decoder())
+    assert back.cepe_config.mix_match == 3 and torch.equal(back.mix_head.weight, model.mix_head.weight)
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    plain.enable_output_mix(2, hidden=False)
+    assert plain.mix_head.weight.shape == (1, 2) and plain.cepe_config.mix_match == 2

@@ -121,14 +121,16 @@ def test_fast_paths_keep_the_tiny_loss_curve(tmp_path, stage, bf16):
     assert b == pytest.approx(a, rel=1e-5 if bf16 == "false" else 1e-3, abs=0), (a, b)
 
 
-def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path):
+@pytest.mark.parametrize("match", [{}, {"cepe.mix_match": "3"}])
+def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path, match):
     """The mixture's loss from each side's target log-probability alone (fast) is the cross-entropy of
     the mixed logits (reference): for the whole adapter, then for the head alone (``train_only``) over the
-    adapter that trained, whose head learns."""
+    adapter that trained, whose head learns; also with the suffix-match inputs (``mix_match``)."""
     from cepe import CepeForCausalLM
     from cepe.training.models import build_decoder
 
     kw = {"steps": 6, "save_every": 6, "optim.lr": "1e-3", "init_adapter": "null", "cepe.output_mix": "true"}
+    kw.update(match)
     whole = tmp_path / "whole"
     for first in (True, False):
         ref = train(_cfg("cepe", tmp_path / f"ref{first}", reference_path="true", **kw))
@@ -143,6 +145,8 @@ def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path):
     assert after.cepe_config.output_mix and not torch.equal(after.mix_head.weight, before.mix_head.weight)
     for (name, x), y in zip(before.adapter_state_dict().items(), after.adapter_state_dict().values()):
         assert name.startswith("mix_head.") or torch.equal(x, y), name  # only the head trained
+    if match:  # the match weights learned (the last 3 inputs)
+        assert after.cepe_config.mix_match == 3 and after.mix_head.weight[0, -3:].abs().min() > 0
 
 
 def test_output_mix_refuses_distillation(tmp_path):
@@ -173,6 +177,7 @@ def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
         {},
         {"cepe.output_mix": "true"},
         {"cepe.output_mix": "true", "train_only": "[mix_head]"},
+        {"cepe.output_mix": "true", "cepe.mix_match": "3"},
     ],
 )
 def test_cost_model_counts_what_the_step_multiplies(tmp_path, extra):

@@ -138,7 +138,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         if cfg.cepe.get("run_bias") and not model.cepe_config.run_bias:
             model.enable_run_bias()  # biases towards the key that continues a run
         if cfg.cepe.get("output_mix"):  # a mixing head over this adapter and the decoder alone
-            model.enable_output_mix()
+            model.enable_output_mix(int(cfg.cepe.get("mix_match", 0)), bool(cfg.cepe.get("mix_hidden", True)))
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
@@ -308,9 +308,12 @@ class StageModule(nn.Module):
                         input_ids=batch["input_ids"], use_cache=False
                     ).last_hidden_state  # (B, T, D)
                     alone = None  # (B, T, D) the decoder without the context, for the output mixture
+                    match = None  # (B, T, K) its suffix-match inputs (mix_match)
                     if mixed:
                         with m.use_context(None), torch.no_grad():
                             alone = base(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+                        if m.cepe_config.mix_match:
+                            match = ctx.suffix_features(batch["input_ids"], 0)
                     if distill:  # CE + KL to the decoder reading the context, from one head pass
                         if mixed:
                             raise ValueError(
@@ -318,9 +321,9 @@ class StageModule(nn.Module):
                             )
                         lm, kl = self._scored_losses(m, hidden, batch)
                     else:
-                        lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast, alone)
+                        lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast, alone, match)
                     if "task" in batch:
-                        extra = self._task_losses(m, hidden, batch, alone)
+                        extra = self._task_losses(m, hidden, batch, alone, match)
                 else:
                     lm = m(
                         batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
@@ -379,7 +382,12 @@ class StageModule(nn.Module):
 
     @torch.no_grad()
     def _task_losses(
-        self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict, alone: torch.Tensor | None = None
+        self,
+        m: CepeForCausalLM,
+        hidden: torch.Tensor,
+        batch: dict,
+        alone: torch.Tensor | None = None,
+        match: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The next-token loss of each example kind of a mixed stage (``batch["task"]``), for the log only
         (no gradient; the training loss is the mean over all kinds' tokens). Costs one more pass of the
@@ -399,7 +407,7 @@ class StageModule(nn.Module):
         if alone is not None:
             scored = labels[:, 1:] != -100
             token_nll = torch.zeros(scored.shape, dtype=torch.float32, device=labels.device)
-            token_nll[scored] = mixture_token_nll(m, hidden.detach(), alone, labels, self._head, True)
+            token_nll[scored] = mixture_token_nll(m, hidden.detach(), alone, labels, self._head, True, match)
         for key, (sel, lab) in parts.items():
             if bool(sel.any()) and bool((lab[sel][:, 1:] != -100).any()):
                 if token_nll is not None:

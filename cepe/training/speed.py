@@ -179,25 +179,27 @@ def mixture_token_nll(
     labels: torch.Tensor,
     head: HeadWeight,
     fast: bool,
+    match: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The output mixture's negative log-likelihood ``(N,)`` at each supervised position (``labels[:, 1:]
-    != -100``, in row-major order), from the hidden states with and without the context ``(B, T, D)``:
-    each side's log-probability of the target alone (fast), or the mixed logits (reference; also for
-    soft-capped heads)."""
-    from cepe.mixture import mix_logit, mix_nll
+    != -100``, in row-major order), from the hidden states with and without the context ``(B, T, D)``
+    (and the suffix-match inputs ``(B, T, K)`` with ``mix_match``): each side's log-probability of the
+    target alone (fast), or the mixed logits (reference; also for soft-capped heads)."""
+    from cepe.mixture import mix_nll
 
     shift = labels[:, 1:]
     sel = shift != -100
     h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], shift[sel]
+    m = None if match is None else match[:, :-1][sel]
     if not fast or getattr(model.decoder.config, "final_logit_softcapping", None):
-        return F.cross_entropy(model.mixed_logits(h, h_dec), y, reduction="none")
+        return F.cross_entropy(model.mixed_logits(h, h_dec, m), y, reduction="none")
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     with torch.autocast(dev, enabled=False):
         w = head.get(model.decoder, dtype)
         logp_ctx = chunked_target_logprobs(h, w, y)
         logp_dec = chunked_target_logprobs(h_dec, w, y)
-    return mix_nll(logp_ctx, logp_dec, mix_logit(model.mix_head, h, h_dec))
+    return mix_nll(logp_ctx, logp_dec, model.mix_logit(h, h_dec, m))
 
 
 def lm_loss(
@@ -207,6 +209,7 @@ def lm_loss(
     head: HeadWeight,
     fast: bool,
     alone: torch.Tensor | None = None,
+    match: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoder's next-token loss from final hidden states: the model's own (reference) head and fp32
     cross-entropy, or the chunked one where it computes the same thing (no logit soft-capping).
@@ -215,6 +218,7 @@ def lm_loss(
         hidden: ``(B, T, D)``; labels: ``(B, T)`` with ``-100`` ignored; position t predicts token t+1.
         alone: ``(B, T, D)`` the decoder's hidden states without the context: the loss is then the output
             mixture's (``CepeConfig.output_mix``), from each side's log-probability of the target alone.
+        match: ``(B, T, K)`` the mixture's suffix-match inputs (``CepeConfig.mix_match``), or None.
     """
     shift = labels[:, 1:]
     sel = shift != -100
@@ -222,7 +226,7 @@ def lm_loss(
     y = shift[sel]
     cap = getattr(model.decoder.config, "final_logit_softcapping", None)
     if alone is not None:
-        return mixture_token_nll(model, hidden, alone, labels, head, fast).mean()
+        return mixture_token_nll(model, hidden, alone, labels, head, fast, match).mean()
     if not fast or cap:
         return F.cross_entropy(model.lm_logits(h).float(), y)
     dev = hidden.device.type

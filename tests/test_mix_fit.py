@@ -1,0 +1,86 @@
+"""Suffix-match indicators (``cepe.mixture``: the vectorised form and its reference against a brute-force
+search) and scripts/mix_fit.py (the recorded log-probabilities and mixing logits against the mixture
+model's own output, a fitted head that separates the kinds)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from conftest import load_script, randomize_cross, tiny_cepe_config, tiny_decoder
+
+from cepe import CepeForCausalLM
+from cepe.mixture import context_grams, mix_nll, suffix_match_features, suffix_matches_ref
+
+mix_fit = load_script("mix_fit")
+
+
+def test_suffix_matches_agree_with_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(20):
+        ctx = [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
+        ids = [rng.randrange(5) for _ in range(rng.randrange(1, 20))]
+        got = suffix_matches_ref(ids, ctx, 4)
+        for j in range(len(ids)):
+            for k in range(1, 5):
+                want = j + 1 >= k and any(
+                    ctx[i : i + k] == ids[j - k + 1 : j + 1] for i in range(len(ctx) - k)
+                )  # i + k < len(ctx): a token follows the match
+                assert got[j, k - 1].item() == float(want), (ids, ctx, j, k)
+
+
+def test_vectorised_suffix_matches_agree_with_the_reference():
+    """Chunks with padding read as one text; a row's tail continues its tokens (incremental calls);
+    padding in the decoder matches nothing."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 4, (3, 4, 6), generator=g)
+    mask = torch.rand(3, 4, 6, generator=g) > 0.3
+    dec = torch.randint(0, 4, (3, 9), generator=g)
+    grams = context_grams(ids, mask, 4)
+    whole = suffix_match_features(dec, grams)
+    for b in range(3):
+        ctx = ids[b][mask[b]].tolist()
+        torch.testing.assert_close(whole[b], suffix_matches_ref(dec[b].tolist(), ctx, 4))
+    # the last 4 tokens as an incremental call, the 3 before them as its tail: the whole call's rows
+    part = suffix_match_features(dec[:, 5:], grams, tail=dec[:, 2:5])
+    torch.testing.assert_close(part, whole[:, 5:])
+    padded = dec.clone()
+    padded[:, :3] = -1
+    got = suffix_match_features(padded, grams)
+    assert got[:, :3].sum() == 0 and torch.equal(got[:, 6:], whole[:, 6:])
+
+
+def test_collect_records_what_the_mixture_computes():
+    """``-mix_nll`` of the recorded log-probabilities and the recorded own logit is the mixture model's
+    log-probability of each scored target."""
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(output_mix=True)).eval()
+    randomize_cross(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.mix_head.weight.copy_(torch.randn(model.mix_head.weight.shape, generator=g) * 0.2)
+    dec = torch.randint(1, 60, (1, 12), generator=g)
+    enc = torch.randint(1, 60, (1, 2, 8), generator=g)
+    ctx = enc.reshape(-1).tolist()
+    rows = mix_fit.collect(model, [("d", dec, enc, ctx)], 5, 3)
+    want = model(input_ids=dec, encoder_input_ids=enc).logits[0, :-1].log_softmax(-1)
+    want = want.gather(-1, dec[0, 1:, None])[-5:, 0]
+    got = -mix_nll(rows["lp_ctx"], rows["lp_dec"], rows["own"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert rows["match"].shape == (5, 3) and len(rows["kind"]) == 5
+    torch.testing.assert_close(rows["match"], suffix_matches_ref(dec[0].tolist(), ctx, 3)[:-1][-5:])
+
+
+def test_a_fitted_head_gives_the_reader_the_tokens_it_gets_right():
+    """Tokens with a match: the reader is sure and right; without: it is wrong. The fitted match head
+    (raw inputs, its standardisation folded in) beats both sides alone."""
+    g = torch.Generator().manual_seed(0)
+    match = (torch.rand(400, 2, generator=g) < 0.3).float()
+    hit = match[:, 0] > 0
+    lp_ctx = torch.where(hit, torch.tensor(-0.05), torch.tensor(-6.0))
+    lp_dec = torch.full((400,), -2.0)
+    head = mix_fit.fit(match, lp_ctx, lp_dec, steps=300, lr=0.05)
+    with torch.no_grad():
+        a = head(match)[:, 0]
+    nll = mix_nll(lp_ctx, lp_dec, a).mean()
+    assert nll < 0.8 * min(-lp_ctx.mean(), -lp_dec.mean())
+    assert torch.sigmoid(a[hit]).min() > 0.9 and torch.sigmoid(a[~hit]).max() < 0.1
