@@ -8,6 +8,7 @@
 # and QA (k = 2 / 5 / 10). Results: results/recipe/NAME/stepNNN/. Run with nothing training on the same cores.
 # Usage: bash scripts/probe_stage.sh NAME STEP   (e.g. fast_direct_qa_teach_held2 30)
 #        ADAPTER=DIR bash scripts/probe_stage.sh NAME STEP   (any adapter directory, e.g. an average of two)
+#        SKIP_DONE=1 bash scripts/probe_stage.sh NAME STEP   (only the probes whose results are missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
@@ -16,8 +17,11 @@ ADAPTER=${ADAPTER:-runs/recipe/$NAME/checkpoints/step_$(printf "%06d" "$STEP")/a
 OUT=results/recipe/$NAME/step$(printf "%03d" "$STEP")
 [ -d "$ADAPTER" ] || { echo "no adapter at $ADAPTER: train the stage first (bash scripts/train_chain.sh $NAME)" >&2; exit 2; }
 mkdir -p "$OUT"
-ev() { cepe eval "$1" --model "$ADAPTER" --config "configs/eval/$2.yaml" --methods cepe --autocast auto \
-  --no-progress --out "$OUT/$3" "${@:4}" > "$OUT/$3.log" 2>&1; }
+ev() {  # SKIP_DONE=1: keep a probe whose results are there already (a probe run before, or resumed)
+  if [ "${SKIP_DONE:-0}" = 1 ] && compgen -G "$OUT/$3/*.json" > /dev/null; then return 0; fi
+  cepe eval "$1" --model "$ADAPTER" --config "configs/eval/$2.yaml" --methods cepe --autocast auto \
+    --no-progress --out "$OUT/$3" "${@:4}" > "$OUT/$3.log" 2>&1
+}
 ev needle needle_encoder needle_encoder
 ev copy copy copy
 ICL_VAL=0 bash scripts/calibrate_context_scale.sh "$ADAPTER" "$OUT" 1 > "$OUT/calibrate.log" 2>&1

@@ -252,3 +252,69 @@ def test_a_stage_gets_the_set_of_the_config_it_extends_and_comments_do_not_count
     _wait(root / "runs/recipe/chain.pid")
     made = [line for line in calls.read_text().splitlines() if line.startswith("prepare-data")]
     assert len(made) == 1 and "--out runs/data/mini_linux " in made[0] + " "
+
+
+_STAND_IN_EVAL = r"""#!/usr/bin/env python3
+# cepe eval KIND --model A --config C --out DIR ...: record the call, write what the summary reads
+import json, pathlib, sys
+args = sys.argv[1:]
+out = pathlib.Path(args[args.index("--out") + 1])
+with open(pathlib.Path(__file__).parent / "calls", "a") as fh:
+    fh.write(out.name + "\n")
+out.mkdir(parents=True, exist_ok=True)
+kind = args[1]
+if kind == "needle":
+    rows = [{"setting": {"total": t}, "value": 100.0} for t in (2048, 4096, 8192)]
+elif kind == "lm":
+    rows = [{"setting": {"domain": "avg"}, "value": 20.0}]
+else:
+    rows = [{"setting": {"order": "natural"}, "value": 2.0}]
+(out / f"{kind}.json").write_text(json.dumps({"rows": rows}))
+"""
+
+
+def _probe_tree(tmp_path: Path) -> tuple[Path, Path]:
+    """A scratch checkout with scripts/probe_stage.sh, a stand-in ``cepe`` that records each evaluation's
+    output folder, and a stand-in calibration script; returns the tree and the record of calls."""
+    root = tmp_path
+    (root / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts/probe_stage.sh", root / "scripts/probe_stage.sh")
+    (root / "scripts/calibrate_context_scale.sh").write_text(
+        'printf "| scale |\\n| 1 |\\n" > "$2/calibrate.md"\n'
+    )
+    fake = root / "fakebin/cepe"
+    fake.parent.mkdir()
+    fake.write_text(_STAND_IN_EVAL)
+    fake.chmod(0o755)
+    (root / "adapter").mkdir()
+    return root, fake.parent / "calls"
+
+
+def _probe(root: Path, **env: str) -> subprocess.CompletedProcess:
+    path = f"{root / 'fakebin'}:{os.environ['PATH']}"
+    return subprocess.run(
+        ["bash", "scripts/probe_stage.sh", "stage", "40"],
+        cwd=root,
+        env={**os.environ, "PATH": path, "ADAPTER": "adapter", **env},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_probe_stage_runs_every_probe_and_skip_done_keeps_those_already_there(tmp_path):
+    root, calls = _probe_tree(tmp_path)
+    every = ["needle_encoder", "copy", "needle_val2", "needle_val3", "needle_val4", "copy_val", "lm_val_long"]
+    proc = _probe(root)
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().split() == every
+    assert "reported needle {2048: 100, 4096: 100, 8192: 100} mean 100" in proc.stdout
+    # a second run repeats them all by default; SKIP_DONE=1 runs only the probes whose results are missing
+    calls.unlink()
+    shutil.rmtree(root / "results/recipe/stage/step040/copy_val")
+    assert _probe(root).returncode == 0 and calls.read_text().split() == every
+    calls.unlink()
+    shutil.rmtree(root / "results/recipe/stage/step040/copy_val")
+    proc = _probe(root, SKIP_DONE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().split() == ["copy_val"]
+    assert "copy_val natural 2.0" in proc.stdout
