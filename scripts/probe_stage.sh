@@ -24,7 +24,9 @@ ev() {  # SKIP_DONE=1: keep a probe whose results are there already (a probe run
 }
 ev needle needle_encoder needle_encoder
 ev copy copy copy
-ICL_VAL=0 bash scripts/calibrate_context_scale.sh "$ADAPTER" "$OUT" 1 > "$OUT/calibrate.log" 2>&1
+if [ "${SKIP_DONE:-0}" != 1 ] || [ ! -f "$OUT/calibrate.md" ]; then
+  ICL_VAL=0 bash scripts/calibrate_context_scale.sh "$ADAPTER" "$OUT" 1 > "$OUT/calibrate.log" 2>&1
+fi
 ev needle needle_val2 needle_val2
 ev needle needle_val3 needle_val3
 ev needle needle_val4 needle_val4

@@ -280,7 +280,7 @@ def _probe_tree(tmp_path: Path) -> tuple[Path, Path]:
     (root / "scripts").mkdir()
     shutil.copy(ROOT / "scripts/probe_stage.sh", root / "scripts/probe_stage.sh")
     (root / "scripts/calibrate_context_scale.sh").write_text(
-        'printf "| scale |\\n| 1 |\\n" > "$2/calibrate.md"\n'
+        'printf "| scale |\\n| 1 |\\n" > "$2/calibrate.md"; echo calibrate >> fakebin/calls\n'
     )
     fake = root / "fakebin/cepe"
     fake.parent.mkdir()
@@ -303,7 +303,16 @@ def _probe(root: Path, **env: str) -> subprocess.CompletedProcess:
 
 def test_probe_stage_runs_every_probe_and_skip_done_keeps_those_already_there(tmp_path):
     root, calls = _probe_tree(tmp_path)
-    every = ["needle_encoder", "copy", "needle_val2", "needle_val3", "needle_val4", "copy_val", "lm_val_long"]
+    every = [
+        "needle_encoder",
+        "copy",
+        "calibrate",
+        "needle_val2",
+        "needle_val3",
+        "needle_val4",
+        "copy_val",
+        "lm_val_long",
+    ]
     proc = _probe(root)
     assert proc.returncode == 0, proc.stderr
     assert calls.read_text().split() == every

@@ -43,6 +43,9 @@ SOUPS = {
     ]
     for route in ("", "_run")
 }
+# Stages' ends rebuilt on a lent accelerator and joined from its int8 export (scripts/device_kit.py join;
+# docs/TRAINING.md, "A second lent H200"): the adapter -> the stage's checkpoint it stands in for.
+GIVEN = {"runs/given/fast_soup_run3_h200": "runs/recipe/fast_soup_run3/checkpoints/step_000040/adapter"}
 SOUPS["runs/soup/linux_linux2"] = [  # fast_soup_ll_run's start ("All the kernel documentation, ...")
     f"runs/recipe/{s}/checkpoints/step_000040/adapter" for s in ("fast_soup_linux", "fast_soup_linux2")
 ]
@@ -279,7 +282,7 @@ def test_shipped_configs_load(path):
             assert cfg.encoder_init in ("decoder", "random") and cfg.data.shuffle > 0
         else:  # a later stage starts from a checkpoint of another shipped recipe run
             srcs = {o: c for o, c in _configs_by_output(path.parent).items() if o != cfg.output_dir}
-            for init in SOUPS.get(cfg.init_adapter, [cfg.init_adapter]):
+            for init in SOUPS.get(cfg.init_adapter, [GIVEN.get(cfg.init_adapter, cfg.init_adapter)]):
                 out, kept = init.removesuffix("/adapter").split("/checkpoints/step_")
                 assert init.endswith("/adapter")
                 while out in DERIVED:  # an adapter a script made from stages' adapters (docs/TRAINING.md)
