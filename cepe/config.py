@@ -194,6 +194,10 @@ class CepeConfig:
             context must then be given as token ids (not only as encoder states). 0 = off.
         mix_hidden: with ``mix_match``, False gives the head the indicators alone (K + 1 weights), not the
             hidden states.
+        mix_length: with ``mix_match``, one more head input after the indicators: how long the context is,
+            ``log(1 + n / 1024)`` for n real context tokens (``cepe.mixture.length_feature``), so that λ can
+            follow the length (a reader trained to 8K harms more the longer its context). Its weight starts
+            at zero: an adapter's head trained without it keeps its function when it is added.
     """
 
     encoder: EncoderConfig
@@ -225,6 +229,7 @@ class CepeConfig:
     output_mix: bool = False
     mix_match: int = 0
     mix_hidden: bool = True
+    mix_length: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -287,6 +292,11 @@ class CepeConfig:
         check(
             self.mix_hidden or self.mix_match > 0,
             "mix_hidden: false leaves the mixing head only its bias: give mix_match > 0 (or mix_hidden: true)",
+        )
+        check(
+            not self.mix_length or self.mix_match > 0,
+            "mix_length rides with the suffix-match inputs: set mix_match > 0 (and output_mix) too, or "
+            "mix_length: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

@@ -52,6 +52,7 @@ class CrossContext:
         match_ids: ``(B, S)`` the context's token ids in order, -1 on padding (``CepeConfig.mix_match``:
             the output mixture's suffix-match inputs); None otherwise.
         match_order: K, the suffix lengths those inputs cover (0 = none).
+        match_length: the head's length input follows the K indicators (``CepeConfig.mix_length``).
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
@@ -74,6 +75,7 @@ class CrossContext:
     doubled: CrossContext | None = field(default=None, repr=False, compare=False)
     match_ids: torch.Tensor | None = None
     match_order: int = 0
+    match_length: bool = False
     mix_tail: tuple[torch.Tensor, int] | None = None
     grams: list[list[torch.Tensor]] | None = field(default=None, repr=False, compare=False)
 
@@ -95,8 +97,9 @@ class CrossContext:
         """The suffix-match inputs ``(n, T, K)`` of the decoder rows ``input_ids`` ``(n, T)`` (the first
         ``n`` rows of this context), a call that starts after ``past`` decoder tokens: the tokens before
         come from :attr:`mix_tail` when the previous call ended there (else they are unknown and match
-        nothing). Without autograd the end of this call is kept for the next."""
-        from cepe.mixture import context_grams, suffix_match_features
+        nothing). Without autograd the end of this call is kept for the next. With :attr:`match_length`
+        the context's length input follows: ``(n, T, K + 1)``."""
+        from cepe.mixture import context_grams, length_feature, suffix_match_features
 
         if self.match_ids is None or self.match_order < 1:
             raise ValueError(
@@ -119,6 +122,10 @@ class CrossContext:
         if not torch.is_grad_enabled() and k > 1:
             before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)
             self.mix_tail = (torch.cat([before, input_ids], dim=1)[:, -(k - 1) :], past + input_ids.shape[1])
+        if self.match_length:
+            n_real = (self.match_ids[:n] >= 0).sum(-1)  # (n,) real context tokens
+            col = length_feature(n_real).to(feats.device)[:, None, None].expand(n, feats.shape[1], 1)
+            feats = torch.cat([feats, col], dim=-1)
         return feats
 
     def with_decoder_rows(self) -> CrossContext:
@@ -146,6 +153,7 @@ class CrossContext:
                 if self.match_ids is None
                 else torch.cat([self.match_ids, torch.full_like(self.match_ids, -1)]),
                 match_order=self.match_order,
+                match_length=self.match_length,
             )
         return self.doubled
 
@@ -173,6 +181,7 @@ class CrossContext:
             log_n=rep(self.log_n),
             match_ids=rep(self.match_ids),
             match_order=self.match_order,
+            match_length=self.match_length,
         )
 
 

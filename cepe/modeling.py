@@ -89,7 +89,11 @@ class CepeForCausalLM(nn.Module):
         self.mix_head = None
         if cepe_config.output_mix:
             self.mix_head = mix_head(
-                int(decoder.config.hidden_size), p, cepe_config.mix_match, cepe_config.mix_hidden
+                int(decoder.config.hidden_size),
+                p,
+                cepe_config.mix_match,
+                cepe_config.mix_hidden,
+                cepe_config.mix_length,
             )
 
     # ------------------------------------------------------------------ construction
@@ -311,21 +315,40 @@ class CepeForCausalLM(nn.Module):
                 m.run_bias = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
         self.cepe_config.run_bias = True
 
-    def enable_output_mix(self, match: int = 0, hidden: bool = True) -> None:
+    def enable_output_mix(self, match: int = 0, hidden: bool = True, length: bool = False) -> None:
         """Give an adapter trained without it the output mixture (``CepeConfig.output_mix``) and its zero
         head (λ = ½: unlike the gates, this changes the function until the head trains), with ``match``
-        suffix-match inputs (``mix_match``) and the hidden states as inputs or not (``mix_hidden``).
-        Idempotent; an adapter whose head has other inputs raises ``ValueError``."""
+        suffix-match inputs (``mix_match``), the hidden states as inputs or not (``mix_hidden``) and the
+        context's length as an input or not (``mix_length``). A head trained without the length input gets
+        it with a zero weight (its function unchanged). Idempotent; an adapter whose head has other inputs
+        raises ``ValueError``."""
         c = self.cepe_config
-        if self.mix_head is not None and (c.mix_match, c.mix_hidden) != (match, hidden):
+        if self.mix_head is not None and (
+            (c.mix_match, c.mix_hidden) != (match, hidden) or (c.mix_length and not length)
+        ):
             raise ValueError(
-                f"this adapter's mixing head takes mix_match {c.mix_match}, mix_hidden {c.mix_hidden}; "
-                f"asked for {match}, {hidden}: train a new adapter from one without output_mix"
+                f"this adapter's mixing head takes mix_match {c.mix_match}, mix_hidden {c.mix_hidden}, "
+                f"mix_length {c.mix_length}; asked for {match}, {hidden}, {length}: train a new adapter "
+                "from one without output_mix"
             )
+        if length and match < 1:
+            raise ValueError("mix_length rides with the suffix-match inputs: give match > 0")
         if self.mix_head is None:
             like = next(self.decoder.parameters())
-            self.mix_head = mix_head(int(self.decoder.config.hidden_size), like, match, hidden)
+            self.mix_head = mix_head(int(self.decoder.config.hidden_size), like, match, hidden, length)
+        elif length and not c.mix_length:  # one more input, its weight zero
+            old = self.mix_head
+            new = nn.Linear(
+                old.in_features + 1, 1, bias=True, device=old.weight.device, dtype=old.weight.dtype
+            )
+            with torch.no_grad():
+                new.weight.zero_()
+                new.weight[:, : old.in_features] = old.weight
+                new.bias.copy_(old.bias)
+            new.requires_grad_(old.weight.requires_grad)
+            self.mix_head = new
         c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
+        c.mix_length = c.mix_length or length
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -506,6 +529,7 @@ class CepeForCausalLM(nn.Module):
             log_n=counts.clamp_min(1).float().log() if self.cepe_config.length_scale else None,
             match_ids=match_ids,
             match_order=order,
+            match_length=bool(order) and self.cepe_config.mix_length,
         )
 
     @contextlib.contextmanager

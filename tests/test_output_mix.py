@@ -17,7 +17,14 @@ from conftest import (
 from cepe import CepeForCausalLM
 from cepe.config import CepeConfig
 from cepe.cross_attention import CrossContext
-from cepe.mixture import mix_logit, mix_logits, mix_logits_ref, mix_nll, suffix_matches_ref
+from cepe.mixture import (
+    length_feature,
+    mix_logit,
+    mix_logits,
+    mix_logits_ref,
+    mix_nll,
+    suffix_matches_ref,
+)
 from cepe.training.speed import chunked_target_logprobs
 
 
@@ -259,3 +266,81 @@ def test_suffix_matches_need_token_ids_and_a_matching_head(tmp_path):
     plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
     plain.enable_output_mix(2, hidden=False)
     assert plain.mix_head.weight.shape == (1, 2) and plain.cepe_config.mix_match == 2
+
+
+# ------------------------------------------------------------------ the context's length (mix_length)
+def _with_length(hidden: bool = False) -> CepeForCausalLM:
+    """:func:`_matched` whose head also takes the context's length, with a large weight on it (tiny
+    contexts have a tiny ``log(1 + n / 1024)``)."""
+    model = _matched(hidden)
+    model.enable_output_mix(3, hidden, length=True)
+    with torch.no_grad():
+        model.mix_head.weight[0, -1] = 60.0
+    return model
+
+
+def test_length_feature_values():
+    n = torch.tensor([0, 512, 1024, 8192])
+    want = torch.tensor([0.0, 0.4054651, 0.6931472, 2.1972246])
+    torch.testing.assert_close(length_feature(n), want)
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_the_head_reads_the_context_length(hidden):
+    """λ from the head over [(h_cepe; h_decoder;) matches; log(1 + n / 1024)], n each example's real
+    context tokens (padding not counted), against the reference built by hand."""
+    model = _with_length(hidden)
+    assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 4)
+    ids, enc_ids = _few_tokens((2, 9), 0), _few_tokens((2, 3, 8), 1)
+    enc_mask = torch.ones_like(enc_ids).bool()
+    enc_mask[1, 1:] = False
+    with torch.no_grad():
+        out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        ctx = model.prepare_context(enc_ids, enc_mask)
+        with model.use_context(ctx):
+            h_ctx = model.decoder.get_decoder()(ids).last_hidden_state
+        h_dec = tiny_decoder().get_decoder()(ids).last_hidden_state
+        lc = model.lm_logits(h_ctx)
+        ld = tiny_decoder()(ids).logits
+    match = torch.stack(
+        [suffix_matches_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
+    )
+    n = torch.tensor([24.0, 8.0])[:, None, None].expand(2, 9, 1)
+    x = torch.cat([match, torch.log1p(n / 1024)], dim=-1)
+    a = mix_logit(model.mix_head, h_ctx, h_dec, x, hidden)
+    torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        model.mix_head.weight[0, -1] = 0.0
+        same = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (same - out).abs().max() > 1e-2  # the length moved λ
+
+
+def test_adding_the_length_input_keeps_the_function(tmp_path):
+    model = _matched(hidden=False)
+    ids, enc_ids = _few_tokens((2, 9), 4), _few_tokens((2, 3, 8), 5)
+    with torch.no_grad():
+        before = model(ids, encoder_input_ids=enc_ids).logits
+        model.enable_output_mix(3, False, length=True)
+        model.enable_output_mix(3, False, length=True)  # idempotent
+        after = model(ids, encoder_input_ids=enc_ids).logits
+    assert model.mix_head.weight.shape == (1, 4) and model.mix_head.weight[0, -1] == 0
+    assert model.cepe_config.mix_length and torch.equal(before, after)
+    with pytest.raises(ValueError, match="mix_length True"):
+        model.enable_output_mix(3, False)  # a length head cannot lose its input
+    model.save_pretrained(tmp_path / "m")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "m", decoder=tiny_decoder())
+    assert back.cepe_config.mix_length and torch.equal(back.mix_head.weight, model.mix_head.weight)
+    with pytest.raises(ValueError, match="mix_length rides"):
+        tiny_cepe_config(output_mix=True, mix_length=True)
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    with pytest.raises(ValueError, match="mix_length rides"):
+        plain.enable_output_mix(length=True)
+
+
+@pytest.mark.parametrize("mode", ["kv", "absorbed"])
+def test_incremental_calls_keep_the_length_input(mode):
+    check_incremental_calls(_with_length(), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
+
+
+def test_beam_search_with_the_length_input():
+    check_beam_scores(_with_length(hidden=True))

@@ -138,7 +138,11 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         if cfg.cepe.get("run_bias") and not model.cepe_config.run_bias:
             model.enable_run_bias()  # biases towards the key that continues a run
         if cfg.cepe.get("output_mix"):  # a mixing head over this adapter and the decoder alone
-            model.enable_output_mix(int(cfg.cepe.get("mix_match", 0)), bool(cfg.cepe.get("mix_hidden", True)))
+            model.enable_output_mix(
+                int(cfg.cepe.get("mix_match", 0)),
+                bool(cfg.cepe.get("mix_hidden", True)),
+                bool(cfg.cepe.get("mix_length", False)),
+            )
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
