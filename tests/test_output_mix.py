@@ -200,15 +200,17 @@ def _few_tokens(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randint(1, 5, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("hidden", [True, False])
-def test_the_head_reads_the_suffix_matches(hidden):
-    """Logits = the mixture with λ from the head over [h_cepe; h_decoder; matches] (or the matches alone),
-    the matches from the reference over the context's real tokens read as one text."""
-    model = _matched(hidden)
-    assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 3)
+def _padded_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decoder ids ``(2, 9)`` and a context ``(2, 3, 8)`` whose second example has one real chunk."""
     ids, enc_ids = _few_tokens((2, 9), 0), _few_tokens((2, 3, 8), 1)
     enc_mask = torch.ones_like(enc_ids).bool()
     enc_mask[1, 1:] = False
+    return ids, enc_ids, enc_mask
+
+
+def _both_sides(model, ids, enc_ids, enc_mask):
+    """The model's logits, and by hand: both final hidden states, both sides' logits and the reference
+    suffix matches (3 orders) over each example's real context tokens."""
     with torch.no_grad():
         out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
         ctx = model.prepare_context(enc_ids, enc_mask)
@@ -220,6 +222,17 @@ def test_the_head_reads_the_suffix_matches(hidden):
     match = torch.stack(
         [suffix_matches_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
     )
+    return out, h_ctx, h_dec, lc, ld, match
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_the_head_reads_the_suffix_matches(hidden):
+    """Logits = the mixture with λ from the head over [h_cepe; h_decoder; matches] (or the matches alone),
+    the matches from the reference over the context's real tokens read as one text."""
+    model = _matched(hidden)
+    assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 3)
+    ids, enc_ids, enc_mask = _padded_case()
+    out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
     assert 0 < match[..., 2].sum() < match[..., 0].sum()  # every order occurs, and not everywhere
     a = mix_logit(model.mix_head, h_ctx, h_dec, match, hidden)
     torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
@@ -291,20 +304,8 @@ def test_the_head_reads_the_context_length(hidden):
     context tokens (padding not counted), against the reference built by hand."""
     model = _with_length(hidden)
     assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 4)
-    ids, enc_ids = _few_tokens((2, 9), 0), _few_tokens((2, 3, 8), 1)
-    enc_mask = torch.ones_like(enc_ids).bool()
-    enc_mask[1, 1:] = False
-    with torch.no_grad():
-        out = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
-        ctx = model.prepare_context(enc_ids, enc_mask)
-        with model.use_context(ctx):
-            h_ctx = model.decoder.get_decoder()(ids).last_hidden_state
-        h_dec = tiny_decoder().get_decoder()(ids).last_hidden_state
-        lc = model.lm_logits(h_ctx)
-        ld = tiny_decoder()(ids).logits
-    match = torch.stack(
-        [suffix_matches_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
-    )
+    ids, enc_ids, enc_mask = _padded_case()
+    out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
     n = torch.tensor([24.0, 8.0])[:, None, None].expand(2, 9, 1)
     x = torch.cat([match, torch.log1p(n / 1024)], dim=-1)
     a = mix_logit(model.mix_head, h_ctx, h_dec, x, hidden)
