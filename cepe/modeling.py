@@ -338,15 +338,11 @@ class CepeForCausalLM(nn.Module):
             self.mix_head = mix_head(int(self.decoder.config.hidden_size), like, match, hidden, length)
         elif length and not c.mix_length:  # one more input, its weight zero
             old = self.mix_head
-            new = nn.Linear(
-                old.in_features + 1, 1, bias=True, device=old.weight.device, dtype=old.weight.dtype
-            )
+            new = mix_head(int(self.decoder.config.hidden_size), old.weight, match, hidden, True)
             with torch.no_grad():
-                new.weight.zero_()
                 new.weight[:, : old.in_features] = old.weight
                 new.bias.copy_(old.bias)
-            new.requires_grad_(old.weight.requires_grad)
-            self.mix_head = new
+            self.mix_head = new.requires_grad_(old.weight.requires_grad)
         c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
         c.mix_length = c.mix_length or length
 
