@@ -198,6 +198,11 @@ class CepeConfig:
             ``log(1 + n / 1024)`` for n real context tokens (``cepe.mixture.length_feature``), so that λ can
             follow the length (a reader trained to 8K harms more the longer its context). Its weight starts
             at zero: an adapter's head trained without it keeps its function when it is added.
+        mix_agree: with ``mix_match``, K more head inputs after those: for each suffix length k, ``1 / d``
+            where the decoder's last k tokens occur in the context and ``d`` distinct tokens follow them
+            there, 0 where they do not occur (``cepe.mixture.suffix_agreement``), so that λ can tell a
+            copied passage (one continuation) from a recurring prefix such as a label's (several). Their
+            weights start at zero, as ``mix_length``'s.
     """
 
     encoder: EncoderConfig
@@ -230,6 +235,7 @@ class CepeConfig:
     mix_match: int = 0
     mix_hidden: bool = True
     mix_length: bool = False
+    mix_agree: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -297,6 +303,11 @@ class CepeConfig:
             not self.mix_length or self.mix_match > 0,
             "mix_length rides with the suffix-match inputs: set mix_match > 0 (and output_mix) too, or "
             "mix_length: false",
+        )
+        check(
+            not self.mix_agree or self.mix_match > 0,
+            "mix_agree rides with the suffix-match inputs: set mix_match > 0 (and output_mix) too, or "
+            "mix_agree: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

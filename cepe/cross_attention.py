@@ -53,6 +53,7 @@ class CrossContext:
             the output mixture's suffix-match inputs); None otherwise.
         match_order: K, the suffix lengths those inputs cover (0 = none).
         match_length: the head's length input follows the K indicators (``CepeConfig.mix_length``).
+        match_agree: the K successor agreements follow those (``CepeConfig.mix_agree``).
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
@@ -76,6 +77,7 @@ class CrossContext:
     match_ids: torch.Tensor | None = None
     match_order: int = 0
     match_length: bool = False
+    match_agree: bool = False
     mix_tail: tuple[torch.Tensor, int] | None = None
     grams: list[list[torch.Tensor]] | None = field(default=None, repr=False, compare=False)
 
@@ -98,8 +100,9 @@ class CrossContext:
         ``n`` rows of this context), a call that starts after ``past`` decoder tokens: the tokens before
         come from :attr:`mix_tail` when the previous call ended there (else they are unknown and match
         nothing). Without autograd the end of this call is kept for the next. With :attr:`match_length`
-        the context's length input follows: ``(n, T, K + 1)``."""
-        from cepe.mixture import context_grams, length_feature, suffix_match_features
+        the context's length input follows, then with :attr:`match_agree` the K successor agreements:
+        ``(n, T, K (+ 1) (+ K))`` (``cepe.mixture.head_inputs``)."""
+        from cepe.mixture import context_grams, length_feature, suffix_agreement
 
         if self.match_ids is None or self.match_order < 1:
             raise ValueError(
@@ -118,7 +121,8 @@ class CrossContext:
             and self.mix_tail[0].shape[0] == n
         ):
             tail = self.mix_tail[0]
-        feats = suffix_match_features(input_ids, self.grams[:n], tail)
+        agree = suffix_agreement(input_ids, self.grams[:n], tail)  # (n, T, K)
+        feats = (agree > 0).float()
         if not torch.is_grad_enabled() and k > 1:
             before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)
             self.mix_tail = (torch.cat([before, input_ids], dim=1)[:, -(k - 1) :], past + input_ids.shape[1])
@@ -126,6 +130,8 @@ class CrossContext:
             n_real = (self.match_ids[:n] >= 0).sum(-1)  # (n,) real context tokens
             col = length_feature(n_real).to(feats.device)[:, None, None].expand(n, feats.shape[1], 1)
             feats = torch.cat([feats, col], dim=-1)
+        if self.match_agree:
+            feats = torch.cat([feats, agree], dim=-1)
         return feats
 
     def with_decoder_rows(self) -> CrossContext:
@@ -154,6 +160,7 @@ class CrossContext:
                 else torch.cat([self.match_ids, torch.full_like(self.match_ids, -1)]),
                 match_order=self.match_order,
                 match_length=self.match_length,
+                match_agree=self.match_agree,
             )
         return self.doubled
 
@@ -182,6 +189,7 @@ class CrossContext:
             match_ids=rep(self.match_ids),
             match_order=self.match_order,
             match_length=self.match_length,
+            match_agree=self.match_agree,
         )
 
 

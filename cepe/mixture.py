@@ -30,14 +30,32 @@ def length_feature(n: torch.Tensor) -> torch.Tensor:
     return torch.log1p(n.float() / LENGTH_UNIT)
 
 
+def head_inputs(
+    hidden_size: int, match: int = 0, hidden: bool = True, length: bool = False, agree: bool = False
+) -> list[str]:
+    """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
+    ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
+    successor agreements (``agree``)."""
+    names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
+    names += [f"m{k}" for k in range(1, match + 1)]
+    names += ["n"] if length else []
+    return names + ([f"a{k}" for k in range(1, match + 1)] if agree else [])
+
+
 def mix_head(
-    hidden_size: int, like: torch.Tensor, match: int = 0, hidden: bool = True, length: bool = False
+    hidden_size: int,
+    like: torch.Tensor,
+    match: int = 0,
+    hidden: bool = True,
+    length: bool = False,
+    agree: bool = False,
 ) -> nn.Linear:
-    """The mixing head ``Linear(2·D + K (+ 1), 1)`` (without the 2·D hidden-state inputs when ``hidden``
-    is False), all zero (λ = ½ everywhere until it trains), on ``like``'s device, in fp32; ``match`` = K
-    suffix-match inputs, ``length`` one more for the context's length."""
+    """The mixing head ``Linear(F, 1)``, its inputs :func:`head_inputs` (``2·D`` hidden states when
+    ``hidden``, ``match`` = K suffix-match indicators, one more for the context's length with ``length``,
+    K successor agreements with ``agree``), all zero (λ = ½ everywhere until it trains), on ``like``'s
+    device, in fp32."""
     head = nn.Linear(
-        2 * hidden_size * int(hidden) + match + int(length),
+        len(head_inputs(hidden_size, match, hidden, length, agree)),
         1,
         bias=True,
         device=like.device,
@@ -49,6 +67,22 @@ def mix_head(
     return head
 
 
+def widen_head(old: nn.Linear, old_inputs: list[str], new_inputs: list[str]) -> nn.Linear:
+    """A head over ``new_inputs`` that computes what ``old`` (over ``old_inputs``, each of them among the
+    new) computes: the old weights under their inputs' names, zero on the inputs added."""
+    missing = sorted(set(old_inputs) - set(new_inputs))
+    if missing or len(old_inputs) != old.in_features:
+        raise ValueError(f"the new head must keep every input of the old one; it lacks {missing}")
+    new = nn.Linear(len(new_inputs), 1, bias=True, device=old.weight.device, dtype=old.weight.dtype)
+    where = {name: i for i, name in enumerate(new_inputs)}
+    cols = torch.tensor([where[name] for name in old_inputs], device=old.weight.device, dtype=torch.long)
+    with torch.no_grad():
+        new.weight.zero_()
+        new.weight[:, cols] = old.weight
+        new.bias.copy_(old.bias)
+    return new.requires_grad_(old.weight.requires_grad)
+
+
 def mix_logit(
     head: nn.Linear,
     h_ctx: torch.Tensor,
@@ -57,8 +91,8 @@ def mix_logit(
     hidden: bool = True,
 ) -> torch.Tensor:
     """``a`` ``(...)`` in fp32 (λ = σ(a)) from the final hidden states ``(..., D)`` with and without the
-    context, and the suffix-match inputs ``(..., K)`` (``(..., K + 1)`` with the length input last) where
-    the head takes them (``hidden`` False: those inputs alone)."""
+    context, and the suffix-match inputs ``(..., K)`` (then the length input and the K agreements where
+    the head takes them: :func:`head_inputs`) (``hidden`` False: those inputs alone)."""
     parts = [h_ctx, h_dec] if hidden else []
     if match is not None:
         parts.append(match.to(h_ctx.dtype))
@@ -115,6 +149,7 @@ def mix_nll(logp_ctx: torch.Tensor, logp_dec: torch.Tensor, a: torch.Tensor) -> 
 # faintly (docs/TRAINING.md, "The reader trained with its head"). Shape legend here: B batch, T decoder
 # tokens, S context tokens, K match orders.
 
+Grams = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per example, per order: (hashes, successors)
 _HASH_BASE = 1_000_003  # k-gram hash: sum of (id + 1)·base^(k-1-m), wrapping in int64
 
 
@@ -131,8 +166,9 @@ def _gram_hashes(ids: torch.Tensor, k: int) -> torch.Tensor:
     return h.masked_fill(bad, -1)
 
 
-def context_grams(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> list[list[torch.Tensor]]:
-    """Per example, per k = 1..``order``, the sorted hashes of the context's k-grams that a token follows.
+def context_grams(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Grams:
+    """Per example, per k = 1..``order``: the sorted hashes ``(G,)`` of the context's k-grams that a token
+    follows, and for each the number of distinct tokens that follow it ``(G,)``.
 
     Args:
         ids: context chunks ``(B, K, L)`` (or ``(B, S)``), read in order as one text.
@@ -143,16 +179,24 @@ def context_grams(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> l
     out = []
     for b in range(flat.shape[0]):
         row = flat[b] if keep is None else flat[b][keep[b]]
-        out.append([_gram_hashes(row[:-1], k).unique() for k in range(1, order + 1)])  # a successor follows
+        per_k = []
+        for k in range(1, order + 1):
+            h = _gram_hashes(row[:-1], k)  # (S - k,): the gram starting at i, followed by row[i + k]
+            if h.numel() == 0:
+                per_k.append((h, h.clone()))
+                continue
+            pairs = torch.stack([h, row[k:]], dim=1).unique(dim=0)  # sorted (gram, successor) pairs
+            grams, n_next = pairs[:, 0].unique_consecutive(return_counts=True)
+            per_k.append((grams, n_next))
+        out.append(per_k)
     return out
 
 
-def suffix_match_features(
-    dec_ids: torch.Tensor, grams: list[list[torch.Tensor]], tail: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(B, T, K)`` 0/1 in fp32: entry ``(b, t, k-1)`` is 1 when the decoder's tokens ending at ``t`` (``k``
-    of them, the earliest from ``tail`` where ``t < k - 1``) occur in example b's context with a token after
-    them (:func:`context_grams`).
+def suffix_agreement(dec_ids: torch.Tensor, grams: Grams, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, T, K)`` in fp32: entry ``(b, t, k-1)`` is ``1 / d`` when the decoder's tokens ending at ``t``
+    (``k`` of them, the earliest from ``tail`` where ``t < k - 1``) occur in example b's context with a
+    token after them, ``d`` the number of distinct tokens that follow them there (1: every occurrence
+    continues the same way, as a copied passage does), and 0 where they do not occur.
 
     Args:
         dec_ids: ``(B, T)`` decoder tokens (a negative id: unknown, e.g. padding, matches nothing).
@@ -169,8 +213,22 @@ def suffix_match_features(
     for k in range(1, order + 1):
         h = _gram_hashes(ext[:, order - k :], k)  # (B, T): the k-gram ending at each decoder token
         for row in range(b):
-            out[row, :, k - 1] = torch.isin(h[row], grams[row][k - 1]) & (h[row] >= 0)
+            keys, n_next = grams[row][k - 1]
+            if keys.numel() == 0:
+                continue
+            at = torch.searchsorted(keys, h[row]).clamp_max(keys.numel() - 1)  # (T,)
+            hit = (keys[at] == h[row]) & (h[row] >= 0)
+            out[row, :, k - 1] = torch.where(hit, 1.0 / n_next[at].float(), 0.0)
     return out
+
+
+def suffix_match_features(
+    dec_ids: torch.Tensor, grams: Grams, tail: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, T, K)`` 0/1 in fp32: entry ``(b, t, k-1)`` is 1 when the decoder's tokens ending at ``t`` (``k``
+    of them, the earliest from ``tail`` where ``t < k - 1``) occur in example b's context with a token after
+    them (:func:`context_grams`); arguments as :func:`suffix_agreement`."""
+    return (suffix_agreement(dec_ids, grams, tail) > 0).float()
 
 
 def suffix_matches_ref(ids: list[int], ctx: list[int], order: int) -> torch.Tensor:
@@ -183,4 +241,20 @@ def suffix_matches_ref(ids: list[int], ctx: list[int], order: int) -> torch.Tens
             if tuple(ids[j - k + 1 : j + 1]) not in found[k - 1]:
                 break
             out[j, k - 1] = 1.0
+    return out
+
+
+def suffix_agreement_ref(ids: list[int], ctx: list[int], order: int) -> torch.Tensor:
+    """Reference for :func:`suffix_agreement` on one example: ``(len(ids), order)``, from each k-gram's set
+    of successors in ``ctx``."""
+    after: list[dict[tuple[int, ...], set[int]]] = [{} for _ in range(order)]
+    for k in range(1, order + 1):
+        for i in range(len(ctx) - k):
+            after[k - 1].setdefault(tuple(ctx[i : i + k]), set()).add(ctx[i + k])
+    out = torch.zeros(len(ids), order)
+    for j in range(len(ids)):
+        for k in range(1, min(order, j + 1) + 1):
+            nxt = after[k - 1].get(tuple(ids[j - k + 1 : j + 1]))
+            if nxt is not None:
+                out[j, k - 1] = 1.0 / len(nxt)
     return out

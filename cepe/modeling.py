@@ -28,7 +28,7 @@ from .cross_attention import CrossContext, zero_linear
 from .encoder import ContextEncoder
 from .fileio import umask
 from .layers import norm_scale
-from .mixture import mix_head, mix_logit, mix_logits
+from .mixture import head_inputs, mix_head, mix_logit, mix_logits, widen_head
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
 
@@ -94,6 +94,7 @@ class CepeForCausalLM(nn.Module):
                 cepe_config.mix_match,
                 cepe_config.mix_hidden,
                 cepe_config.mix_length,
+                cepe_config.mix_agree,
             )
 
     # ------------------------------------------------------------------ construction
@@ -315,36 +316,43 @@ class CepeForCausalLM(nn.Module):
                 m.run_bias = nn.Parameter(torch.zeros(m.num_heads, device=w.device, dtype=w.dtype))
         self.cepe_config.run_bias = True
 
-    def enable_output_mix(self, match: int = 0, hidden: bool = True, length: bool = False) -> None:
+    def enable_output_mix(
+        self, match: int = 0, hidden: bool = True, length: bool = False, agree: bool = False
+    ) -> None:
         """Give an adapter trained without it the output mixture (``CepeConfig.output_mix``) and its zero
         head (λ = ½: unlike the gates, this changes the function until the head trains), with ``match``
-        suffix-match inputs (``mix_match``), the hidden states as inputs or not (``mix_hidden``) and the
-        context's length as an input or not (``mix_length``). A head trained without the length input gets
-        it with a zero weight (its function unchanged). Idempotent; an adapter whose head has other inputs
-        raises ``ValueError``."""
+        suffix-match inputs (``mix_match``), the hidden states as inputs or not (``mix_hidden``), the
+        context's length as an input or not (``mix_length``) and the successor agreements or not
+        (``mix_agree``). A head trained without the length or the agreements gets them with zero weights
+        (its function unchanged). Idempotent; an adapter whose head has other inputs raises
+        ``ValueError``."""
         c = self.cepe_config
         if self.mix_head is not None and (
-            (c.mix_match, c.mix_hidden) != (match, hidden) or (c.mix_length and not length)
+            (c.mix_match, c.mix_hidden) != (match, hidden)
+            or (c.mix_length and not length)
+            or (c.mix_agree and not agree)
         ):
             raise ValueError(
                 f"this adapter's mixing head takes mix_match {c.mix_match}, mix_hidden {c.mix_hidden}, "
-                f"mix_length {c.mix_length}; asked for {match}, {hidden}, {length}: train a new adapter "
-                "from one without output_mix"
+                f"mix_length {c.mix_length}, mix_agree {c.mix_agree}; asked for {match}, {hidden}, "
+                f"{length}, {agree}: train a new adapter from one without output_mix"
             )
-        if length and match < 1:
-            raise ValueError("mix_length rides with the suffix-match inputs: give match > 0")
+        for flag, name in ((length, "mix_length"), (agree, "mix_agree")):
+            if flag and match < 1:
+                raise ValueError(f"{name} rides with the suffix-match inputs: give match > 0")
+        d = int(self.decoder.config.hidden_size)
         if self.mix_head is None:
             like = next(self.decoder.parameters())
-            self.mix_head = mix_head(int(self.decoder.config.hidden_size), like, match, hidden, length)
-        elif length and not c.mix_length:  # one more input, its weight zero
-            old = self.mix_head
-            new = mix_head(int(self.decoder.config.hidden_size), old.weight, match, hidden, True)
-            with torch.no_grad():
-                new.weight[:, : old.in_features] = old.weight
-                new.bias.copy_(old.bias)
-            self.mix_head = new.requires_grad_(old.weight.requires_grad)
+            self.mix_head = mix_head(d, like, match, hidden, length, agree)
+        elif (length and not c.mix_length) or (agree and not c.mix_agree):  # more inputs, zero weights
+            self.mix_head = widen_head(
+                self.mix_head,
+                head_inputs(d, match, hidden, c.mix_length, c.mix_agree),
+                head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree),
+            )
         c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
         c.mix_length = c.mix_length or length
+        c.mix_agree = c.mix_agree or agree
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -526,6 +534,7 @@ class CepeForCausalLM(nn.Module):
             match_ids=match_ids,
             match_order=order,
             match_length=bool(order) and self.cepe_config.mix_length,
+            match_agree=bool(order) and self.cepe_config.mix_agree,
         )
 
     @contextlib.contextmanager

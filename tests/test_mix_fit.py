@@ -10,7 +10,14 @@ import torch
 from conftest import load_script, randomize_cross, tiny_cepe_config, tiny_decoder
 
 from cepe import CepeForCausalLM
-from cepe.mixture import context_grams, mix_nll, suffix_match_features, suffix_matches_ref
+from cepe.mixture import (
+    context_grams,
+    mix_nll,
+    suffix_agreement,
+    suffix_agreement_ref,
+    suffix_match_features,
+    suffix_matches_ref,
+)
 
 mix_fit = load_script("mix_fit")
 
@@ -48,6 +55,44 @@ def test_vectorised_suffix_matches_agree_with_the_reference():
     padded[:, :3] = -1
     got = suffix_match_features(padded, grams)
     assert got[:, :3].sum() == 0 and torch.equal(got[:, 6:], whole[:, 6:])
+
+
+def test_suffix_agreement_agrees_with_a_brute_force_count():
+    """1 / (distinct successors) of each matched suffix, 0 where it does not occur."""
+    rng = random.Random(1)
+    for _ in range(20):
+        ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        ids = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        got = suffix_agreement_ref(ids, ctx, 3)
+        for j in range(len(ids)):
+            for k in range(1, 4):
+                nxt = {
+                    ctx[i + k]
+                    for i in range(len(ctx) - k)
+                    if j + 1 >= k and ctx[i : i + k] == ids[j - k + 1 : j + 1]
+                }
+                want = 1.0 / len(nxt) if nxt else 0.0
+                assert abs(got[j, k - 1].item() - want) < 1e-7, (ids, ctx, j, k)
+    # a passage's suffix continues one way; a prefix followed by several labels does not
+    got = suffix_agreement_ref([7, 1], [7, 1, 2, 5, 1, 3, 7, 1, 2, 9], 2)
+    assert got.tolist() == [[1.0, 0.0], [0.5, 1.0]]
+
+
+def test_vectorised_suffix_agreement_agrees_with_the_reference():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 3, (3, 4, 6), generator=g)
+    mask = torch.rand(3, 4, 6, generator=g) > 0.3
+    dec = torch.randint(0, 3, (3, 9), generator=g)
+    grams = context_grams(ids, mask, 4)
+    whole = suffix_agreement(dec, grams)
+    assert ((whole > 0) & (whole < 1)).any() and (whole == 1).any()  # both kinds occur
+    for b in range(3):
+        ctx = ids[b][mask[b]].tolist()
+        torch.testing.assert_close(whole[b], suffix_agreement_ref(dec[b].tolist(), ctx, 4))
+    torch.testing.assert_close(suffix_agreement(dec[:, 5:], grams, tail=dec[:, 2:5]), whole[:, 5:])
+    torch.testing.assert_close(suffix_match_features(dec, grams), (whole > 0).float())
+    short = context_grams(torch.tensor([[4], [5]]), None, 2)  # one token: no gram has a successor
+    assert suffix_agreement(torch.tensor([[4, 4], [5, 5]]), short).sum() == 0
 
 
 def test_collect_records_what_the_mixture_computes():

@@ -18,12 +18,16 @@ from cepe import CepeForCausalLM
 from cepe.config import CepeConfig
 from cepe.cross_attention import CrossContext
 from cepe.mixture import (
+    head_inputs,
     length_feature,
+    mix_head,
     mix_logit,
     mix_logits,
     mix_logits_ref,
     mix_nll,
+    suffix_agreement_ref,
     suffix_matches_ref,
+    widen_head,
 )
 from cepe.training.speed import chunked_target_logprobs
 
@@ -345,3 +349,83 @@ def test_incremental_calls_keep_the_length_input(mode):
 
 def test_beam_search_with_the_length_input():
     check_beam_scores(_with_length(hidden=True))
+
+
+# ------------------------------------------------------------------ successor agreement (mix_agree)
+def _with_agreement(hidden: bool = False, length: bool = True) -> CepeForCausalLM:
+    """:func:`_matched` (with the length input or not) whose head also takes the 3 successor agreements,
+    with large weights on them."""
+    model = _matched(hidden)
+    model.enable_output_mix(3, hidden, length=length, agree=True)
+    with torch.no_grad():
+        model.mix_head.weight[0, -3:] = torch.tensor([-5.0, 3.0, 6.0])
+    return model
+
+
+@pytest.mark.parametrize("hidden,length", [(True, True), (False, False)])
+def test_the_head_reads_the_successor_agreement(hidden, length):
+    """λ from the head over [(h_cepe; h_decoder;) matches; (length;) agreements], the agreements from
+    the reference over each example's real context tokens, against the reference built by hand."""
+    model = _with_agreement(hidden, length)
+    assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 6 + int(length))
+    ids, enc_ids, enc_mask = _padded_case()
+    out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
+    agree = torch.stack(
+        [suffix_agreement_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
+    )
+    assert ((agree > 0) & (agree < 1)).any() and (agree == 1).any()
+    parts = [match]
+    if length:
+        parts.append(torch.log1p(torch.tensor([24.0, 8.0]) / 1024)[:, None, None].expand(2, 9, 1))
+    x = torch.cat([*parts, agree], dim=-1)
+    a = mix_logit(model.mix_head, h_ctx, h_dec, x, hidden)
+    torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        model.mix_head.weight[0, -3:] = 0.0
+        same = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert (same - out).abs().max() > 1e-2  # the agreements moved λ
+
+
+def test_adding_the_agreement_inputs_keeps_the_function(tmp_path):
+    """Added to a head with the length input, or to one without it and then the length: each old weight
+    stays on its own input, the new ones are zero, the logits are unchanged bit for bit."""
+    ids, enc_ids = _few_tokens((2, 9), 4), _few_tokens((2, 3, 8), 5)
+    for first_length in (True, False):
+        model = _with_length() if first_length else _matched(hidden=False)
+        w = model.mix_head.weight.detach().clone()
+        with torch.no_grad():
+            before = model(ids, encoder_input_ids=enc_ids).logits
+            model.enable_output_mix(3, False, length=first_length, agree=True)
+            model.enable_output_mix(3, False, length=first_length, agree=True)  # idempotent
+            if not first_length:
+                model.enable_output_mix(3, False, length=True, agree=True)  # the length between them
+            after = model(ids, encoder_input_ids=enc_ids).logits
+        assert model.mix_head.weight.shape == (1, 7) and torch.equal(before, after)
+        assert torch.equal(model.mix_head.weight[0, :3], w[0, :3]) and not model.mix_head.weight[0, 4:].any()
+        assert model.mix_head.weight[0, 3] == (w[0, 3] if first_length else 0.0)
+        assert model.cepe_config.mix_agree and model.cepe_config.mix_length
+    with pytest.raises(ValueError, match="mix_agree True"):
+        model.enable_output_mix(3, False, length=True)  # an agreement head cannot lose its inputs
+    model.save_pretrained(tmp_path / "m")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "m", decoder=tiny_decoder())
+    assert back.cepe_config.mix_agree and torch.equal(back.mix_head.weight, model.mix_head.weight)
+    with pytest.raises(ValueError, match="mix_agree rides"):
+        tiny_cepe_config(output_mix=True, mix_agree=True)
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    with pytest.raises(ValueError, match="mix_agree rides"):
+        plain.enable_output_mix(agree=True)
+
+
+def test_widen_head_needs_every_old_input():
+    old = mix_head(4, torch.zeros(1), 2, hidden=False, length=True)
+    with pytest.raises(ValueError, match=r"lacks \['n'\]"):
+        widen_head(old, head_inputs(4, 2, False, True), head_inputs(4, 2, False, False, True))
+
+
+@pytest.mark.parametrize("mode", ["kv", "absorbed"])
+def test_incremental_calls_keep_the_agreement_inputs(mode):
+    check_incremental_calls(_with_agreement(), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
+
+
+def test_beam_search_with_the_agreement_inputs():
+    check_beam_scores(_with_agreement(hidden=True))

@@ -142,6 +142,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 int(cfg.cepe.get("mix_match", 0)),
                 bool(cfg.cepe.get("mix_hidden", True)),
                 bool(cfg.cepe.get("mix_length", False)),
+                bool(cfg.cepe.get("mix_agree", False)),
             )
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
