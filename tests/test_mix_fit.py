@@ -22,11 +22,16 @@ from cepe.mixture import (
 mix_fit = load_script("mix_fit")
 
 
-def test_suffix_matches_agree_with_a_brute_force_search():
-    rng = random.Random(0)
+def _random_cases(seed: int, vocab: int):
+    """Twenty (decoder ids, context ids) pairs over a small vocabulary: suffixes recur."""
+    rng = random.Random(seed)
     for _ in range(20):
-        ctx = [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
-        ids = [rng.randrange(5) for _ in range(rng.randrange(1, 20))]
+        ctx = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        yield [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))], ctx
+
+
+def test_suffix_matches_agree_with_a_brute_force_search():
+    for ids, ctx in _random_cases(0, 5):
         got = suffix_matches_ref(ids, ctx, 4)
         for j in range(len(ids)):
             for k in range(1, 5):
@@ -36,18 +41,24 @@ def test_suffix_matches_agree_with_a_brute_force_search():
                 assert got[j, k - 1].item() == float(want), (ids, ctx, j, k)
 
 
+def _against_the_reference(seed: int, vocab: int, fast, ref):
+    """``fast`` over 3 padded contexts of 4 chunks of 6 (4 orders) against ``ref`` per example on its real
+    tokens read as one text; returns the decoder ids ``(3, 9)``, the grams and ``fast``'s output."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 4, 6), generator=g)
+    mask = torch.rand(3, 4, 6, generator=g) > 0.3
+    dec = torch.randint(0, vocab, (3, 9), generator=g)
+    grams = context_grams(ids, mask, 4)
+    whole = fast(dec, grams)
+    for b in range(3):
+        torch.testing.assert_close(whole[b], ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 4))
+    return dec, grams, whole
+
+
 def test_vectorised_suffix_matches_agree_with_the_reference():
     """Chunks with padding read as one text; a row's tail continues its tokens (incremental calls);
     padding in the decoder matches nothing."""
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 4, (3, 4, 6), generator=g)
-    mask = torch.rand(3, 4, 6, generator=g) > 0.3
-    dec = torch.randint(0, 4, (3, 9), generator=g)
-    grams = context_grams(ids, mask, 4)
-    whole = suffix_match_features(dec, grams)
-    for b in range(3):
-        ctx = ids[b][mask[b]].tolist()
-        torch.testing.assert_close(whole[b], suffix_matches_ref(dec[b].tolist(), ctx, 4))
+    dec, grams, whole = _against_the_reference(2, 4, suffix_match_features, suffix_matches_ref)
     # the last 4 tokens as an incremental call, the 3 before them as its tail: the whole call's rows
     part = suffix_match_features(dec[:, 5:], grams, tail=dec[:, 2:5])
     torch.testing.assert_close(part, whole[:, 5:])
@@ -59,10 +70,7 @@ def test_vectorised_suffix_matches_agree_with_the_reference():
 
 def test_suffix_agreement_agrees_with_a_brute_force_count():
     """1 / (distinct successors) of each matched suffix, 0 where it does not occur."""
-    rng = random.Random(1)
-    for _ in range(20):
-        ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        ids = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+    for ids, ctx in _random_cases(1, 4):
         got = suffix_agreement_ref(ids, ctx, 3)
         for j in range(len(ids)):
             for k in range(1, 4):
@@ -79,16 +87,8 @@ def test_suffix_agreement_agrees_with_a_brute_force_count():
 
 
 def test_vectorised_suffix_agreement_agrees_with_the_reference():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 3, (3, 4, 6), generator=g)
-    mask = torch.rand(3, 4, 6, generator=g) > 0.3
-    dec = torch.randint(0, 3, (3, 9), generator=g)
-    grams = context_grams(ids, mask, 4)
-    whole = suffix_agreement(dec, grams)
+    dec, grams, whole = _against_the_reference(3, 3, suffix_agreement, suffix_agreement_ref)
     assert ((whole > 0) & (whole < 1)).any() and (whole == 1).any()  # both kinds occur
-    for b in range(3):
-        ctx = ids[b][mask[b]].tolist()
-        torch.testing.assert_close(whole[b], suffix_agreement_ref(dec[b].tolist(), ctx, 4))
     torch.testing.assert_close(suffix_agreement(dec[:, 5:], grams, tail=dec[:, 2:5]), whole[:, 5:])
     torch.testing.assert_close(suffix_match_features(dec, grams), (whole > 0).float())
     short = context_grams(torch.tensor([[4], [5]]), None, 2)  # one token: no gram has a successor

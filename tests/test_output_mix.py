@@ -320,6 +320,19 @@ def test_the_head_reads_the_context_length(hidden):
     assert (same - out).abs().max() > 1e-2  # the length moved λ
 
 
+def _check_saved_and_needs_match(model: CepeForCausalLM, tmp_path, inp: str) -> None:
+    """The head with input ``mix_{inp}`` saves and loads as it is, and the input needs ``mix_match``."""
+    model.save_pretrained(tmp_path / "m")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "m", decoder=tiny_decoder())
+    assert getattr(back.cepe_config, f"mix_{inp}")
+    assert torch.equal(back.mix_head.weight, model.mix_head.weight)
+    with pytest.raises(ValueError, match=f"mix_{inp} rides"):
+        tiny_cepe_config(output_mix=True, **{f"mix_{inp}": True})
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
+    with pytest.raises(ValueError, match=f"mix_{inp} rides"):
+        plain.enable_output_mix(**{inp: True})
+
+
 def test_adding_the_length_input_keeps_the_function(tmp_path):
     model = _matched(hidden=False)
     ids, enc_ids = _few_tokens((2, 9), 4), _few_tokens((2, 3, 8), 5)
@@ -332,14 +345,7 @@ def test_adding_the_length_input_keeps_the_function(tmp_path):
     assert model.cepe_config.mix_length and torch.equal(before, after)
     with pytest.raises(ValueError, match="mix_length True"):
         model.enable_output_mix(3, False)  # a length head cannot lose its input
-    model.save_pretrained(tmp_path / "m")
-    back = CepeForCausalLM.from_pretrained(tmp_path / "m", decoder=tiny_decoder())
-    assert back.cepe_config.mix_length and torch.equal(back.mix_head.weight, model.mix_head.weight)
-    with pytest.raises(ValueError, match="mix_length rides"):
-        tiny_cepe_config(output_mix=True, mix_length=True)
-    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
-    with pytest.raises(ValueError, match="mix_length rides"):
-        plain.enable_output_mix(length=True)
+    _check_saved_and_needs_match(model, tmp_path, "length")
 
 
 @pytest.mark.parametrize("mode", ["kv", "absorbed"])
@@ -406,14 +412,7 @@ def test_adding_the_agreement_inputs_keeps_the_function(tmp_path):
         assert model.cepe_config.mix_agree and model.cepe_config.mix_length
     with pytest.raises(ValueError, match="mix_agree True"):
         model.enable_output_mix(3, False, length=True)  # an agreement head cannot lose its inputs
-    model.save_pretrained(tmp_path / "m")
-    back = CepeForCausalLM.from_pretrained(tmp_path / "m", decoder=tiny_decoder())
-    assert back.cepe_config.mix_agree and torch.equal(back.mix_head.weight, model.mix_head.weight)
-    with pytest.raises(ValueError, match="mix_agree rides"):
-        tiny_cepe_config(output_mix=True, mix_agree=True)
-    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config())
-    with pytest.raises(ValueError, match="mix_agree rides"):
-        plain.enable_output_mix(agree=True)
+    _check_saved_and_needs_match(model, tmp_path, "agree")
 
 
 def test_widen_head_needs_every_old_input():
