@@ -79,7 +79,9 @@ class CrossContext:
     match_length: bool = False
     match_agree: bool = False
     mix_tail: tuple[torch.Tensor, int] | None = None
-    grams: list[list[torch.Tensor]] | None = field(default=None, repr=False, compare=False)
+    grams: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def batch_size(self) -> int:
