@@ -203,6 +203,13 @@ class CepeConfig:
             there, 0 where they do not occur (``cepe.mixture.suffix_agreement``), so that λ can tell a
             copied passage (one continuation) from a recurring prefix such as a label's (several). Their
             weights start at zero, as ``mix_length``'s.
+        mix_copy: with ``mix_match``, a third component of the output distribution: the tokens that
+            follow, in the context, the longest of the decoder's last 1..K tokens that occurs there (each
+            occurrence one vote), mixed in as ``μ·p_copy + (1 − μ)·p_mixture`` with ``μ = σ(c)`` from a
+            second head over the mixing head's inputs (``copy_head``; zero weights, bias −4 at first) and
+            μ = 0 where no suffix occurs (``cepe.mixture.copy_spans``). It copies a span token by token
+            where the reader stops early (beyond the released code; without a context, or where nothing
+            matches, the model is what it is without it).
     """
 
     encoder: EncoderConfig
@@ -236,6 +243,7 @@ class CepeConfig:
     mix_hidden: bool = True
     mix_length: bool = False
     mix_agree: bool = False
+    mix_copy: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -308,6 +316,11 @@ class CepeConfig:
             not self.mix_agree or self.mix_match > 0,
             "mix_agree rides with the suffix-match inputs: set mix_match > 0 (and output_mix) too, or "
             "mix_agree: false",
+        )
+        check(
+            not self.mix_copy or self.mix_match > 0,
+            "mix_copy copies after the suffixes that mix_match finds: set mix_match > 0 (and output_mix) "
+            "too, or mix_copy: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,
@@ -455,6 +468,6 @@ def encoder_config_from_decoder(
 
 
 def is_adapter_key(name: str) -> bool:
-    """True for parameter names CEPE adds: ``encoder.*``, ``*.cross_attn.*`` and ``mix_head.*`` (the output
-    mixture's head): the trainable set."""
-    return name.startswith(("encoder.", "mix_head.")) or ".cross_attn." in name
+    """True for parameter names CEPE adds: ``encoder.*``, ``*.cross_attn.*``, ``mix_head.*`` and
+    ``copy_head.*`` (the output mixture's heads): the trainable set."""
+    return name.startswith(("encoder.", "mix_head.", "copy_head.")) or ".cross_attn." in name

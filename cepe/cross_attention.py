@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .layers import ATTENTION_KERNELS, RMSNorm, attention_sdpa, attention_sdpa_lse, norm_scale
+from .mixture import CopySpans, Successors
 
 
 @dataclass
@@ -54,6 +55,7 @@ class CrossContext:
         match_order: K, the suffix lengths those inputs cover (0 = none).
         match_length: the head's length input follows the K indicators (``CepeConfig.mix_length``).
         match_agree: the K successor agreements follow those (``CepeConfig.mix_agree``).
+        match_copy: the output mixture copies after the longest matched suffix (``CepeConfig.mix_copy``).
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
@@ -78,10 +80,12 @@ class CrossContext:
     match_order: int = 0
     match_length: bool = False
     match_agree: bool = False
+    match_copy: bool = False
     mix_tail: tuple[torch.Tensor, int] | None = None
     grams: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
         default=None, repr=False, compare=False
     )
+    successors: Successors | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -98,13 +102,25 @@ class CrossContext:
             self.mix_tail = (tail.index_select(0, rows[: tail.shape[0]].to(tail.device)), seen)
 
     def suffix_features(self, input_ids: torch.Tensor, past: int) -> torch.Tensor:
-        """The suffix-match inputs ``(n, T, K)`` of the decoder rows ``input_ids`` ``(n, T)`` (the first
-        ``n`` rows of this context), a call that starts after ``past`` decoder tokens: the tokens before
-        come from :attr:`mix_tail` when the previous call ended there (else they are unknown and match
-        nothing). Without autograd the end of this call is kept for the next. With :attr:`match_length`
-        the context's length input follows, then with :attr:`match_agree` the K successor agreements:
-        ``(n, T, K (+ 1) (+ K))`` (``cepe.mixture.head_inputs``)."""
-        from cepe.mixture import context_grams, length_feature, suffix_agreement
+        """The suffix-match inputs ``(n, T, F)`` of the decoder rows ``input_ids`` ``(n, T)``: the features
+        of :meth:`suffix_inputs`."""
+        return self.suffix_inputs(input_ids, past)[0]
+
+    def suffix_inputs(self, input_ids: torch.Tensor, past: int) -> tuple[torch.Tensor, CopySpans | None]:
+        """The suffix-match inputs ``(n, T, K (+ 1) (+ K))`` of the decoder rows ``input_ids`` ``(n, T)``
+        (the first ``n`` rows of this context), a call that starts after ``past`` decoder tokens, and with
+        :attr:`match_copy` where each position's copy lies (``cepe.mixture.CopySpans`` ``(n, T)``; else
+        None). The tokens before the call come from :attr:`mix_tail` when the previous call ended there
+        (else they are unknown and match nothing); without autograd the end of this call is kept for the
+        next. The features: the K indicators, with :attr:`match_length` the context's length input, then
+        with :attr:`match_agree` the K successor agreements (``cepe.mixture.head_inputs``)."""
+        from cepe.mixture import (
+            context_grams,
+            context_successors,
+            copy_spans,
+            length_feature,
+            suffix_agreement,
+        )
 
         if self.match_ids is None or self.match_order < 1:
             raise ValueError(
@@ -124,6 +140,13 @@ class CrossContext:
         ):
             tail = self.mix_tail[0]
         agree = suffix_agreement(input_ids, self.grams[:n], tail)  # (n, T, K)
+        spans = None
+        if self.match_copy:
+            if self.successors is None or len(self.successors.keys) < n:
+                ids = self.match_ids[:n]
+                self.successors = context_successors(ids, ids >= 0, k)
+            table = self.successors
+            spans = copy_spans(input_ids, Successors(table.keys[:n], table.start[:n], table.succ), tail)
         feats = (agree > 0).float()
         if not torch.is_grad_enabled() and k > 1:
             before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)
@@ -134,7 +157,7 @@ class CrossContext:
             feats = torch.cat([feats, col], dim=-1)
         if self.match_agree:
             feats = torch.cat([feats, agree], dim=-1)
-        return feats
+        return feats, spans
 
     def with_decoder_rows(self) -> CrossContext:
         """This context for a decoder batch of ``2B`` rows whose last ``B`` rows read nothing (the output
@@ -163,6 +186,7 @@ class CrossContext:
                 match_order=self.match_order,
                 match_length=self.match_length,
                 match_agree=self.match_agree,
+                match_copy=self.match_copy,
             )
         return self.doubled
 
@@ -192,6 +216,7 @@ class CrossContext:
             match_order=self.match_order,
             match_length=self.match_length,
             match_agree=self.match_agree,
+            match_copy=self.match_copy,
         )
 
 

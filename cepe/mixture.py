@@ -17,6 +17,9 @@ Shape legend: B batch, T decoder tokens, N positions, D decoder width, V vocabul
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -258,3 +261,172 @@ def suffix_agreement_ref(ids: list[int], ctx: list[int], order: int) -> torch.Te
             if nxt is not None:
                 out[j, k - 1] = 1.0 / len(nxt)
     return out
+
+
+# ------------------------------------------------------------------------------------------- the copy
+# A third component of the output mixture (``CepeConfig.mix_copy``): where the decoder's last tokens occur
+# in the context, the tokens that follow them there, as a distribution (the longest suffix that occurs,
+# up to K tokens; each occurrence one vote). The final distribution is
+#     p(y) = μ·p_copy(y) + (1 − μ)·p_mix(y),    μ = σ(c),
+# with ``c`` from a second head over the mixing head's inputs, and μ = 0 where no suffix occurs (there the
+# logits are the mixture's, bit for bit). Shape legend as above; M the context's (gram, successor) pairs.
+
+COPY_BIAS = -4.0  # the copy head's starting bias: μ = σ(-4) ≈ 0.018 wherever a suffix occurs
+
+
+@dataclass
+class Successors:
+    """Per example and suffix length, the context's k-grams that a token follows, sorted by hash, and
+    those tokens in the same order (:func:`context_successors`).
+
+    Attributes:
+        keys: per example, per k = 1..K, the sorted hashes ``(G,)`` (a gram once per occurrence).
+        start: per example, per k, where that list's successors begin in :attr:`succ`.
+        succ: ``(M,)`` the successor tokens of every list, one after another.
+    """
+
+    keys: list[list[torch.Tensor]]
+    start: list[list[int]]
+    succ: torch.Tensor
+
+
+def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Successors:
+    """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
+    ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``."""
+    flat = ids.reshape(ids.shape[0], -1)
+    keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
+    keys, start, parts, at = [], [], [], 0
+    for b in range(flat.shape[0]):
+        row = flat[b] if keep is None else flat[b][keep[b]]
+        per_k, begin = [], []
+        for k in range(1, order + 1):
+            h = _gram_hashes(row[:-1], k)  # (S - k,): the gram at i, followed by row[i + k]
+            h, by = h.sort(stable=True)
+            per_k.append(h)
+            begin.append(at)
+            parts.append(row[k:][by] if h.numel() else h)
+            at += h.numel()
+        keys.append(per_k)
+        start.append(begin)
+    succ = torch.cat(parts) if parts else flat.new_zeros(0)
+    return Successors(keys, start, succ)
+
+
+@dataclass
+class CopySpans:
+    """Where each decoder position's copy distribution lies: the successors ``succ[lo:hi]`` of its longest
+    suffix that occurs in the context (each occurrence one vote), ``lo == hi`` where none occurs.
+
+    Attributes:
+        succ: ``(M,)`` :attr:`Successors.succ`.
+        lo, hi: ``(...)`` long, one entry per decoder position.
+    """
+
+    succ: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+    @property
+    def has(self) -> torch.Tensor:
+        """``(...)`` bool: a suffix occurs (the copy takes part)."""
+        return self.hi > self.lo
+
+    def __getitem__(self, index: Any) -> CopySpans:
+        return CopySpans(self.succ, self.lo[index], self.hi[index])
+
+    def _votes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each vote's position (flat index into ``lo.reshape(-1)``) and token: ``(E,)``, ``(E,)``."""
+        lo, n = self.lo.reshape(-1), (self.hi - self.lo).reshape(-1)
+        row = torch.repeat_interleave(torch.arange(lo.numel(), device=lo.device), n)  # (E,)
+        first = torch.cumsum(n, 0) - n  # (P,) each position's first vote in the flat list
+        return row, self.succ[lo[row] + torch.arange(row.numel(), device=lo.device) - first[row]]
+
+    def target_probs(self, y: torch.Tensor) -> torch.Tensor:
+        """``p_copy(y)`` ``(...)`` in fp32 for one token per position (0 where no suffix occurs)."""
+        row, tok = self._votes()
+        hits = torch.zeros(self.lo.numel(), dtype=torch.float32, device=y.device)
+        hits.index_add_(0, row, (tok == y.reshape(-1)[row]).float())
+        n = (self.hi - self.lo).reshape(-1).clamp_min(1).float()
+        return (hits / n).reshape(self.lo.shape)
+
+    def probs(self, vocab: int) -> torch.Tensor:
+        """The copy distributions ``(..., V)`` in fp32 (all zero where no suffix occurs)."""
+        row, tok = self._votes()
+        out = torch.zeros(self.lo.numel(), vocab, dtype=torch.float32, device=self.succ.device)
+        out.index_put_((row, tok), torch.ones_like(tok, dtype=torch.float32), accumulate=True)
+        n = (self.hi - self.lo).reshape(-1, 1).clamp_min(1).float()
+        return (out / n).reshape(*self.lo.shape, vocab)
+
+
+def copy_spans(dec_ids: torch.Tensor, table: Successors, tail: torch.Tensor | None = None) -> CopySpans:
+    """:class:`CopySpans` ``(B, T)`` of the decoder tokens ``dec_ids`` ``(B, T)`` over each example's
+    :func:`context_successors`: the longest k ≤ K whose last k tokens (the earliest from ``tail``
+    ``(B, K - 1)`` where ``t < k - 1``; -1 unknown, matching nothing) occur in the context."""
+    b, t = dec_ids.shape
+    order = len(table.keys[0]) if table.keys else 0
+    if tail is None:
+        tail = dec_ids.new_full((b, max(order - 1, 0)), -1)
+    ext = torch.cat([tail, dec_ids], dim=1)  # (B, K - 1 + T)
+    lo = torch.zeros((b, t), dtype=torch.long, device=dec_ids.device)
+    hi = torch.zeros_like(lo)
+    for k in range(1, order + 1):  # longer suffixes overwrite shorter ones where they occur
+        h = _gram_hashes(ext[:, order - k :], k)  # (B, T)
+        for row in range(b):
+            keys = table.keys[row][k - 1]
+            if keys.numel() == 0:
+                continue
+            left = torch.searchsorted(keys, h[row])
+            right = torch.searchsorted(keys, h[row], right=True)
+            hit = (right > left) & (h[row] >= 0)
+            base = table.start[row][k - 1]
+            lo[row] = torch.where(hit, left + base, lo[row])
+            hi[row] = torch.where(hit, right + base, hi[row])
+    return CopySpans(table.succ.to(dec_ids.device), lo, hi)
+
+
+def copy_probs_ref(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
+    """Reference for :meth:`CopySpans.probs` of :func:`copy_spans` on one example: ``(len(ids), V)``, by
+    scanning the context for the longest suffix and counting what follows each occurrence."""
+    out = torch.zeros(len(ids), vocab)
+    for j in range(len(ids)):
+        for k in range(min(order, j + 1), 0, -1):
+            suffix = ids[j - k + 1 : j + 1]
+            nxt = [ctx[i + k] for i in range(len(ctx) - k) if ctx[i : i + k] == suffix]
+            if nxt:
+                for tok in nxt:
+                    out[j, tok] += 1.0 / len(nxt)
+                break
+    return out
+
+
+def copy_mix_logits(
+    logits: torch.Tensor, c: torch.Tensor, copy: torch.Tensor, has: torch.Tensor
+) -> torch.Tensor:
+    """Logits ``(..., V)`` (fp32) whose softmax is ``σ(c)·copy + σ(−c)·softmax(logits)`` where ``has``,
+    and ``logits`` themselves elsewhere (bit for bit).
+
+    Args:
+        logits: ``(..., V)`` the mixture's logits; c: ``(...)`` the copy logit; copy: ``(..., V)`` the copy
+            distributions; has: ``(...)`` bool, where a suffix occurs.
+    """
+    lg = logits.float()
+    c = c.float()[..., None]
+    with_copy = torch.logaddexp(F.logsigmoid(-c) + lg.log_softmax(-1), F.logsigmoid(c) + copy.log())
+    return torch.where(has[..., None], with_copy, lg)
+
+
+def copy_mix_logits_ref(
+    logits: torch.Tensor, c: torch.Tensor, copy: torch.Tensor, has: torch.Tensor
+) -> torch.Tensor:
+    """Reference for :func:`copy_mix_logits`: the log of the mixed probabilities in fp64 (log-softmaxed
+    logits where no suffix occurs)."""
+    mu = torch.sigmoid(c.double())[..., None] * has[..., None]
+    return torch.log(mu * copy.double() + (1 - mu) * torch.softmax(logits.double(), -1))
+
+
+def copy_mix_nll(nll: torch.Tensor, c: torch.Tensor, p_copy: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """Per-position negative log-likelihood ``(N,)`` with the copy from the mixture's own ``nll`` ``(N,)``,
+    the copy logit ``(N,)``, the copy's probability of the target ``(N,)`` and where a suffix occurs."""
+    c = c.float()
+    with_copy = -torch.logaddexp(F.logsigmoid(-c) - nll.float(), F.logsigmoid(c) + p_copy.log())
+    return torch.where(has, with_copy, nll.float())

@@ -28,7 +28,16 @@ from .cross_attention import CrossContext, zero_linear
 from .encoder import ContextEncoder
 from .fileio import umask
 from .layers import norm_scale
-from .mixture import head_inputs, mix_head, mix_logit, mix_logits, widen_head
+from .mixture import (
+    COPY_BIAS,
+    CopySpans,
+    copy_mix_logits,
+    head_inputs,
+    mix_head,
+    mix_logit,
+    mix_logits,
+    widen_head,
+)
 from .quant import QUANT_METADATA, dequantize_int8_rowwise, quantize_int8_rowwise
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
 
@@ -96,6 +105,25 @@ class CepeForCausalLM(nn.Module):
                 cepe_config.mix_length,
                 cepe_config.mix_agree,
             )
+        self.copy_head = None
+        if cepe_config.mix_copy:
+            self.copy_head = self._new_copy_head()
+
+    def _new_copy_head(self) -> nn.Linear:
+        """The copy head (``CepeConfig.mix_copy``) over the mixing head's inputs: zero weights, bias
+        :data:`cepe.mixture.COPY_BIAS`."""
+        c = self.cepe_config
+        head = mix_head(
+            int(self.decoder.config.hidden_size),
+            next(self.decoder.parameters()),
+            c.mix_match,
+            c.mix_hidden,
+            c.mix_length,
+            c.mix_agree,
+        )
+        with torch.no_grad():
+            head.bias.fill_(COPY_BIAS)
+        return head
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -345,14 +373,27 @@ class CepeForCausalLM(nn.Module):
             like = next(self.decoder.parameters())
             self.mix_head = mix_head(d, like, match, hidden, length, agree)
         elif (length and not c.mix_length) or (agree and not c.mix_agree):  # more inputs, zero weights
-            self.mix_head = widen_head(
-                self.mix_head,
-                head_inputs(d, match, hidden, c.mix_length, c.mix_agree),
-                head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree),
-            )
+            old = head_inputs(d, match, hidden, c.mix_length, c.mix_agree)
+            new = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree)
+            self.mix_head = widen_head(self.mix_head, old, new)
+            if self.copy_head is not None:
+                self.copy_head = widen_head(self.copy_head, old, new)
         c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
         c.mix_length = c.mix_length or length
         c.mix_agree = c.mix_agree or agree
+
+    def enable_output_copy(self) -> None:
+        """Give an adapter with the output mixture and its suffix-match inputs the copy
+        (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
+        0.018 wherever a suffix occurs, so this changes the function there until the head trains).
+        Idempotent; raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
+        if self.mix_head is None or self.cepe_config.mix_match < 1:
+            raise ValueError(
+                "mix_copy needs the output mixture with suffix-match inputs: enable_output_mix first"
+            )
+        if self.copy_head is None:
+            self.copy_head = self._new_copy_head()
+        self.cepe_config.mix_copy = True
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
@@ -433,6 +474,8 @@ class CepeForCausalLM(nn.Module):
                 out[k] = v
         if self.mix_head is not None:
             out.update({f"mix_head.{k}": v for k, v in self.mix_head.state_dict().items()})
+        if self.copy_head is not None:
+            out.update({f"copy_head.{k}": v for k, v in self.copy_head.state_dict().items()})
         return out
 
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
@@ -535,6 +578,7 @@ class CepeForCausalLM(nn.Module):
             match_order=order,
             match_length=bool(order) and self.cepe_config.mix_length,
             match_agree=bool(order) and self.cepe_config.mix_agree,
+            match_copy=bool(order) and self.cepe_config.mix_copy,
         )
 
     @contextlib.contextmanager
@@ -648,31 +692,59 @@ class CepeForCausalLM(nn.Module):
         hidden = out.last_hidden_state  # (2B, T, D)
         h_ctx, h_dec = hidden[:n], hidden[n:]
         match = None  # (B, T, K) the suffix-match inputs (mix_match), for this call's start (slot.past)
+        copy = None  # (B, T) where each position's copy lies (mix_copy)
         if self.cepe_config.mix_match:
-            match = self._slot.get(2 * n).suffix_features(input_ids, self._slot.past)
+            match, copy = self._slot.get(2 * n).suffix_inputs(input_ids, self._slot.past)
         loss = None
         if labels is not None:
             shift = labels[:, 1:]
             sel = shift != -100
             m = None if match is None else match[:, :-1][sel]
-            mixed = self.mixed_logits(h_ctx[:, :-1][sel], h_dec[:, :-1][sel], m)  # (N, V)
+            cp = None if copy is None else copy[:, :-1][sel]
+            mixed = self.mixed_logits(h_ctx[:, :-1][sel], h_dec[:, :-1][sel], m, cp)  # (N, V)
             loss = F.cross_entropy(mixed, shift[sel], reduction="sum") / sel.sum().clamp_min(1)
         logits = None
         if labels is None or return_logits is None or return_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             logits = self.mixed_logits(
-                h_ctx[:, keep], h_dec[:, keep], None if match is None else match[:, keep]
+                h_ctx[:, keep],
+                h_dec[:, keep],
+                None if match is None else match[:, keep],
+                None if copy is None else copy[:, keep],
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
     def mixed_logits(
-        self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None
+        self,
+        h_ctx: torch.Tensor,
+        h_dec: torch.Tensor,
+        match: torch.Tensor | None = None,
+        copy: CopySpans | None = None,
     ) -> torch.Tensor:
         """The output mixture's logits ``(..., V)`` (fp32) from final hidden states ``(..., D)`` with and
         without the context and, with ``mix_match``, the suffix-match inputs ``(..., K)``
-        (:func:`cepe.mixture.mix_logits`)."""
+        (:func:`cepe.mixture.mix_logits`); with ``mix_copy``, ``copy`` ``(...)`` mixes in the copy
+        (:func:`cepe.mixture.copy_mix_logits`)."""
         a = self.mix_logit(h_ctx, h_dec, match)
-        return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), a)
+        logits = mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), a)
+        if (copy is None) != (self.copy_head is None):
+            raise ValueError(
+                f"this adapter {'copies' if self.copy_head is not None else 'does not copy'} (mix_copy): "
+                f"give copy spans exactly when it does, got {'none' if copy is None else 'some'}"
+            )
+        if copy is None:
+            return logits
+        c = self.copy_logit(h_ctx, h_dec, match)
+        return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
+
+    def copy_logit(
+        self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The copy logit ``(...)`` (μ = σ(c) where a suffix occurs) of the copy head
+        (``CepeConfig.mix_copy``), over the mixing head's inputs."""
+        if self.copy_head is None:
+            raise ValueError("this adapter has no copy head (mix_copy): enable_output_copy first")
+        return mix_logit(self.copy_head, h_ctx, h_dec, match, self.cepe_config.mix_hidden)
 
     def mix_logit(
         self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None

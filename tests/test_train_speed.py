@@ -121,11 +121,14 @@ def test_fast_paths_keep_the_tiny_loss_curve(tmp_path, stage, bf16):
     assert b == pytest.approx(a, rel=1e-5 if bf16 == "false" else 1e-3, abs=0), (a, b)
 
 
-@pytest.mark.parametrize("match", [{}, {"cepe.mix_match": "3"}])
+@pytest.mark.parametrize(
+    "match", [{}, {"cepe.mix_match": "3"}, {"cepe.mix_match": "3", "cepe.mix_copy": "true"}]
+)
 def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path, match):
     """The mixture's loss from each side's target log-probability alone (fast) is the cross-entropy of
-    the mixed logits (reference): for the whole adapter, then for the head alone (``train_only``) over the
-    adapter that trained, whose head learns; also with the suffix-match inputs (``mix_match``)."""
+    the mixed logits (reference): for the whole adapter, then for the heads alone (``train_only``) over
+    the adapter that trained, which learn; also with the suffix-match inputs (``mix_match``) and the
+    copy (``mix_copy``)."""
     from cepe import CepeForCausalLM
     from cepe.training.models import build_decoder
 
@@ -138,15 +141,18 @@ def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path, match):
         a, b = _losses(ref), _losses(fast)
         assert len(a) == 6 and max(a) - min(a) > 1e-3
         assert b == pytest.approx(a, rel=1e-5, abs=0), (a, b)
-        kw.update({"init_adapter": str(whole), "train_only": "[mix_head]", "optim.lr": "1e-2"})
+        heads = "[mix_head, copy_head]" if "cepe.mix_copy" in match else "[mix_head]"
+        kw.update({"init_adapter": str(whole), "train_only": heads, "optim.lr": "1e-2"})
     tiny = _cfg("cepe", tmp_path / "x")
     before = CepeForCausalLM.from_pretrained(whole, decoder=build_decoder(tiny))
     after = CepeForCausalLM.from_pretrained(tmp_path / "head", decoder=build_decoder(tiny))
     assert after.cepe_config.output_mix and not torch.equal(after.mix_head.weight, before.mix_head.weight)
     for (name, x), y in zip(before.adapter_state_dict().items(), after.adapter_state_dict().values()):
-        assert name.startswith("mix_head.") or torch.equal(x, y), name  # only the head trained
+        assert name.startswith(("mix_head.", "copy_head.")) or torch.equal(x, y), name  # only heads trained
     if match:  # the match weights learned (the last 3 inputs)
         assert after.cepe_config.mix_match == 3 and after.mix_head.weight[0, -3:].abs().min() > 0
+    if "cepe.mix_copy" in match:  # and the copy's head
+        assert not torch.equal(after.copy_head.weight, before.copy_head.weight)
 
 
 def test_output_mix_refuses_distillation(tmp_path):
@@ -178,6 +184,7 @@ def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
         {"cepe.output_mix": "true"},
         {"cepe.output_mix": "true", "train_only": "[mix_head]"},
         {"cepe.output_mix": "true", "cepe.mix_match": "3"},
+        {"cepe.output_mix": "true", "cepe.mix_match": "3", "cepe.mix_copy": "true"},
     ],
 )
 def test_cost_model_counts_what_the_step_multiplies(tmp_path, extra):

@@ -21,6 +21,7 @@ from cepe.cross_attention import AlignProbe
 from cepe.dtypes import torch_dtype
 from cepe.encoder import EncoderForMaskedLM
 from cepe.fileio import atomic_path, write_json
+from cepe.mixture import CopySpans
 from cepe.modeling import CepeForCausalLM, packed_positions
 
 from .config import TrainConfig
@@ -144,6 +145,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 bool(cfg.cepe.get("mix_length", False)),
                 bool(cfg.cepe.get("mix_agree", False)),
             )
+        if cfg.cepe.get("mix_copy") and model.copy_head is None:
+            model.enable_output_copy()  # the copy after the longest matched suffix, and its head
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
@@ -177,6 +180,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     model.encoder.float()
     if model.mix_head is not None:
         model.mix_head.float()
+    if model.copy_head is not None:
+        model.copy_head.float()
     if cfg.freeze_encoder:
         model.encoder.requires_grad_(False)
     if cfg.train_only:
@@ -314,11 +319,12 @@ class StageModule(nn.Module):
                     ).last_hidden_state  # (B, T, D)
                     alone = None  # (B, T, D) the decoder without the context, for the output mixture
                     match = None  # (B, T, K) its suffix-match inputs (mix_match)
+                    copy = None  # (B, T) where each position's copy lies (mix_copy)
                     if mixed:
                         with m.use_context(None), torch.no_grad():
                             alone = base(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
                         if m.cepe_config.mix_match:
-                            match = ctx.suffix_features(batch["input_ids"], 0)
+                            match, copy = ctx.suffix_inputs(batch["input_ids"], 0)
                     if distill:  # CE + KL to the decoder reading the context, from one head pass
                         if mixed:
                             raise ValueError(
@@ -326,9 +332,9 @@ class StageModule(nn.Module):
                             )
                         lm, kl = self._scored_losses(m, hidden, batch)
                     else:
-                        lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast, alone, match)
+                        lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast, alone, match, copy)
                     if "task" in batch:
-                        extra = self._task_losses(m, hidden, batch, alone, match)
+                        extra = self._task_losses(m, hidden, batch, alone, match, copy)
                 else:
                     lm = m(
                         batch["input_ids"], labels=batch["labels"], cross_context=ctx, return_logits=False
@@ -393,6 +399,7 @@ class StageModule(nn.Module):
         batch: dict,
         alone: torch.Tensor | None = None,
         match: torch.Tensor | None = None,
+        copy: CopySpans | None = None,
     ) -> dict[str, torch.Tensor]:
         """The next-token loss of each example kind of a mixed stage (``batch["task"]``), for the log only
         (no gradient; the training loss is the mean over all kinds' tokens). Costs one more pass of the
@@ -412,7 +419,9 @@ class StageModule(nn.Module):
         if alone is not None:
             scored = labels[:, 1:] != -100
             token_nll = torch.zeros(scored.shape, dtype=torch.float32, device=labels.device)
-            token_nll[scored] = mixture_token_nll(m, hidden.detach(), alone, labels, self._head, True, match)
+            token_nll[scored] = mixture_token_nll(
+                m, hidden.detach(), alone, labels, self._head, True, match, copy
+            )
         for key, (sel, lab) in parts.items():
             if bool(sel.any()) and bool((lab[sel][:, 1:] != -100).any()):
                 if token_nll is not None:

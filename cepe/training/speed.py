@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cepe.mixture import CopySpans
+
 # Rows of logits per chunk: CHUNK_ELEMENTS / V (about 8M fp32 logits, 32 MB, whatever the vocabulary).
 CHUNK_ELEMENTS = 1 << 23
 
@@ -180,26 +182,32 @@ def mixture_token_nll(
     head: HeadWeight,
     fast: bool,
     match: torch.Tensor | None = None,
+    copy: CopySpans | None = None,
 ) -> torch.Tensor:
     """The output mixture's negative log-likelihood ``(N,)`` at each supervised position (``labels[:, 1:]
     != -100``, in row-major order), from the hidden states with and without the context ``(B, T, D)``
-    (and the suffix-match inputs ``(B, T, K)`` with ``mix_match``): each side's log-probability of the
-    target alone (fast), or the mixed logits (reference; also for soft-capped heads)."""
-    from cepe.mixture import mix_nll
+    (and the suffix-match inputs ``(B, T, K)`` with ``mix_match``, where each position's copy lies
+    ``(B, T)`` with ``mix_copy``): each side's log-probability of the target alone (fast), or the mixed
+    logits (reference; also for soft-capped heads)."""
+    from cepe.mixture import copy_mix_nll, mix_nll
 
     shift = labels[:, 1:]
     sel = shift != -100
     h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], shift[sel]
     m = None if match is None else match[:, :-1][sel]
+    cp = None if copy is None else copy[:, :-1][sel]
     if not fast or getattr(model.decoder.config, "final_logit_softcapping", None):
-        return F.cross_entropy(model.mixed_logits(h, h_dec, m), y, reduction="none")
+        return F.cross_entropy(model.mixed_logits(h, h_dec, m, cp), y, reduction="none")
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     with torch.autocast(dev, enabled=False):
         w = head.get(model.decoder, dtype)
         logp_ctx = chunked_target_logprobs(h, w, y)
         logp_dec = chunked_target_logprobs(h_dec, w, y)
-    return mix_nll(logp_ctx, logp_dec, model.mix_logit(h, h_dec, m))
+    nll = mix_nll(logp_ctx, logp_dec, model.mix_logit(h, h_dec, m))
+    if cp is None:
+        return nll
+    return copy_mix_nll(nll, model.copy_logit(h, h_dec, m), cp.target_probs(y), cp.has)
 
 
 def lm_loss(
@@ -210,6 +218,7 @@ def lm_loss(
     fast: bool,
     alone: torch.Tensor | None = None,
     match: torch.Tensor | None = None,
+    copy: CopySpans | None = None,
 ) -> torch.Tensor:
     """The decoder's next-token loss from final hidden states: the model's own (reference) head and fp32
     cross-entropy, or the chunked one where it computes the same thing (no logit soft-capping).
@@ -219,6 +228,7 @@ def lm_loss(
         alone: ``(B, T, D)`` the decoder's hidden states without the context: the loss is then the output
             mixture's (``CepeConfig.output_mix``), from each side's log-probability of the target alone.
         match: ``(B, T, K)`` the mixture's suffix-match inputs (``CepeConfig.mix_match``), or None.
+        copy: ``(B, T)`` where each position's copy lies (``CepeConfig.mix_copy``), or None.
     """
     shift = labels[:, 1:]
     sel = shift != -100
@@ -226,7 +236,7 @@ def lm_loss(
     y = shift[sel]
     cap = getattr(model.decoder.config, "final_logit_softcapping", None)
     if alone is not None:
-        return mixture_token_nll(model, hidden, alone, labels, head, fast, match).mean()
+        return mixture_token_nll(model, hidden, alone, labels, head, fast, match, copy).mean()
     if not fast or cap:
         return F.cross_entropy(model.lm_logits(h).float(), y)
     dev = hidden.device.type
@@ -322,6 +332,11 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         fwd_lin += dec.layers * linear + head + mixing
         fwd_att += dec.layers * attn
         bwd_lin += mixing * (int(mix_head.weight.requires_grad) + int(stream_grad))
+    copy_head = getattr(model, "copy_head", None)
+    if copy_head is not None:  # the copy's head (mix_copy), over the same inputs
+        copying = 2 * (n - 1) * copy_head.weight.shape[1]
+        fwd_lin += copying
+        bwd_lin += copying * (int(copy_head.weight.requires_grad) + int(stream_grad))
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
         share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)

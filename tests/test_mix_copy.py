@@ -1,0 +1,242 @@
+"""The copy in the output mixture (``CepeConfig.mix_copy``): ``μ·p_copy + (1 − μ)·p_mixture`` where the
+decoder's last tokens occur in the context, ``p_copy`` the tokens that follow the longest such suffix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import check_beam_scores, check_incremental_calls, tiny_cepe_config, tiny_decoder
+from test_output_mix import _both_sides, _few_tokens, _matched, _padded_case
+
+from cepe import CepeForCausalLM
+from cepe.config import CepeConfig
+from cepe.mixture import (
+    COPY_BIAS,
+    context_successors,
+    copy_mix_logits,
+    copy_mix_logits_ref,
+    copy_mix_nll,
+    copy_probs_ref,
+    copy_spans,
+    mix_logit,
+    mix_logits_ref,
+)
+from cepe.training.speed import HeadWeight, mixture_token_nll
+
+
+def _brute_copy(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
+    """The copy distribution written out once more: for each position, every k from the longest down,
+    the first whose suffix occurs with a token after it; that token's share of the occurrences."""
+    out = torch.zeros(len(ids), vocab)
+    for j in range(len(ids)):
+        for k in range(min(order, j + 1), 0, -1):
+            starts = [
+                i for i in range(len(ctx) - k) if tuple(ctx[i : i + k]) == tuple(ids[j - k + 1 : j + 1])
+            ]
+            if starts:
+                for i in starts:
+                    out[j, ctx[i + k]] += 1 / len(starts)
+                break
+    return out
+
+
+def test_the_reference_copy_agrees_with_a_brute_force_count():
+    rng = random.Random(0)
+    for _ in range(20):
+        ctx = [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
+        ids = [rng.randrange(5) for _ in range(rng.randrange(1, 20))]
+        torch.testing.assert_close(copy_probs_ref(ids, ctx, 4, 5), _brute_copy(ids, ctx, 4, 5))
+    # a hand case: "1 2" is followed by 3 twice and by 4 once; "2" alone also by 1
+    got = copy_probs_ref([1, 2], [1, 2, 3, 1, 2, 3, 1, 2, 4, 2, 1], 2, 5)
+    torch.testing.assert_close(got[1], torch.tensor([0, 0, 0, 2 / 3, 1 / 3]))
+    torch.testing.assert_close(got[0], torch.tensor([0, 0, 1.0, 0, 0]))  # "1" is followed by 2 three times
+
+
+@pytest.mark.parametrize("vocab", [3, 6])
+def test_vectorised_copy_agrees_with_the_reference(vocab):
+    """Padded chunks read as one text; a tail continues an incremental call; padding matches nothing;
+    the probability of one token per position is the dense distribution's entry."""
+    g = torch.Generator().manual_seed(vocab)
+    ids = torch.randint(0, vocab, (3, 4, 6), generator=g)
+    mask = torch.rand(3, 4, 6, generator=g) > 0.3
+    mask[2] = False  # an example with no context: nothing occurs
+    dec = torch.randint(0, vocab, (3, 9), generator=g)
+    table = context_successors(ids, mask, 4)
+    spans = copy_spans(dec, table)
+    dense = spans.probs(vocab)  # (3, 9, V)
+    for b in range(3):
+        torch.testing.assert_close(
+            dense[b], copy_probs_ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 4, vocab)
+        )
+    assert spans.has[:2].any() and not spans.has[2].any()
+    torch.testing.assert_close(dense.sum(-1), spans.has.float())
+    y = torch.randint(0, vocab, (3, 9), generator=g)
+    torch.testing.assert_close(spans.target_probs(y), dense.gather(-1, y[..., None])[..., 0])
+    part = copy_spans(dec[:, 5:], table, tail=dec[:, 2:5])
+    torch.testing.assert_close(part.probs(vocab), dense[:, 5:])
+    padded = dec.clone()
+    padded[:, :3] = -1
+    got = copy_spans(padded, table).probs(vocab)
+    assert not got[:, :3].any()
+    for b in range(2):
+        ref = copy_probs_ref(dec[b, 3:].tolist(), ids[b][mask[b]].tolist(), 4, vocab)
+        torch.testing.assert_close(got[b, 3:], ref)  # the suffixes start after the padding
+    sel = spans.has.clone()
+    torch.testing.assert_close(spans[sel].probs(vocab), dense[sel])
+
+
+@pytest.mark.parametrize("spread", [0.1, 5.0, 60.0])
+def test_copy_mix_logits_agree_with_the_reference(spread):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 7, generator=g) * spread
+    c = torch.randn(40, generator=g) * 6
+    counts = (torch.rand(40, 7, generator=g) > 0.6).float() * torch.randint(1, 4, (40, 7), generator=g)
+    counts[::5] = 0.0  # every fifth position: no suffix occurs
+    has = counts.sum(-1) > 0
+    copy = counts / counts.sum(-1, keepdim=True).clamp_min(1)
+    got = copy_mix_logits(logits, c, copy, has)
+    torch.testing.assert_close(
+        got.log_softmax(-1).double(), copy_mix_logits_ref(logits, c, copy, has), rtol=1e-5, atol=1e-5
+    )
+    assert (~has).any() and torch.equal(got[~has], logits[~has])  # no suffix: the mixture bit for bit
+    y = torch.randint(0, 7, (40,), generator=g)
+    nll = -logits.log_softmax(-1).gather(-1, y[:, None])[:, 0]
+    want = -copy_mix_logits_ref(logits, c, copy, has).gather(-1, y[:, None])[:, 0]
+    got_nll = copy_mix_nll(nll, c, copy.gather(-1, y[:, None])[:, 0], has)
+    torch.testing.assert_close(got_nll.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got_nll).all()
+
+
+def _copying(
+    hidden: bool = False, length: bool = False, agree: bool = False, seed: int = 5
+) -> CepeForCausalLM:
+    """:func:`_matched` (3 suffix orders) with the copy, its head given random weights."""
+    model = _matched(hidden)
+    model.enable_output_mix(3, hidden, length=length, agree=agree)
+    model.enable_output_copy()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.copy_head.weight.copy_(torch.randn(model.copy_head.weight.shape, generator=g))
+        model.copy_head.bias.fill_(-0.5)
+    return model
+
+
+@pytest.mark.parametrize("hidden,agree", [(False, False), (True, True)])
+def test_the_model_mixes_in_the_copy(hidden, agree):
+    """Logits = the reference mixture, then the reference copy of each example's real context tokens
+    mixed in with μ from the copy head over the mixing head's inputs; the loss is their cross-entropy."""
+    model = _copying(hidden, agree=agree)
+    ids, enc_ids, enc_mask = _padded_case()
+    ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
+    out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
+    with torch.no_grad():
+        x = model.prepare_context(enc_ids, enc_mask).suffix_features(ids, 0)
+        loss = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=ids).loss
+    torch.testing.assert_close(x[..., :3], match)
+    copy = torch.stack(
+        [copy_probs_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3, lc.shape[-1]) for b in range(2)]
+    )
+    has = copy.sum(-1) > 0
+    assert has.any() and (~has).any()
+    mixed = mix_logits_ref(lc, ld, mix_logit(model.mix_head, h_ctx, h_dec, x, hidden))
+    c = mix_logit(model.copy_head, h_ctx, h_dec, x, hidden)
+    want = copy_mix_logits_ref(mixed, c, copy, has)
+    torch.testing.assert_close(out.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
+    nll = -want[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    torch.testing.assert_close(loss.double(), nll, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        model.copy_head.bias.fill_(-60.0)
+        model.copy_head.weight.zero_()
+        off = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    torch.testing.assert_close(off.log_softmax(-1).double(), mixed, rtol=1e-4, atol=1e-4)
+    assert (off - out).abs().max() > 1e-2  # the copy moved the distribution
+
+
+def test_the_training_loss_agrees_with_the_reference_path():
+    """The fast loss (each side's log-probability of the target, the copy's probability of it) equals
+    the cross-entropy of the mixed logits, and so do their gradients on both heads."""
+    model = _copying(agree=True)
+    ids, enc_ids, enc_mask = _padded_case()
+    labels = ids.clone()
+    labels[0, :2] = -100
+    ctx = model.prepare_context(enc_ids, enc_mask)
+    base = model.decoder.get_decoder()
+    with torch.no_grad(), model.use_context(ctx):
+        hidden = base(ids).last_hidden_state
+    with torch.no_grad(), model.use_context(None):
+        alone = base(ids).last_hidden_state
+    match, copy = ctx.suffix_inputs(ids, 0)
+    assert copy is not None and copy.has.any()
+    grads = []
+    for fast in (True, False):
+        model.zero_grad()
+        nll = mixture_token_nll(model, hidden, alone, labels, HeadWeight(), fast, match, copy)
+        nll.mean().backward()
+        grads.append((nll.detach(), model.copy_head.weight.grad.clone(), model.mix_head.weight.grad.clone()))
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert grads[0][1].abs().sum() > 0
+
+
+def test_greedy_generation_copies_a_span_the_decoder_does_not_continue():
+    """With μ near 1 the continuation of a span that occurs once in the context is copied token by token,
+    what neither the decoder nor the mixture generates."""
+    model = _copying()
+    with torch.no_grad():
+        model.copy_head.weight.zero_()
+        model.copy_head.bias.fill_(30.0)
+    span = [7, 19, 3, 42, 11, 29, 5, 33]
+    enc_ids = torch.tensor([[list(range(60, 68)), span, list(range(70, 78))]])
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    got = model.generate(torch.tensor([span[:3]]), encoder_input_ids=enc_ids, **kw)
+    assert got[0, 3:].tolist() == span[3:]
+    alone = tiny_decoder().generate(torch.tensor([span[:3]]), **kw)
+    assert alone[0, 3:].tolist() != span[3:]
+
+
+def test_invariants_no_context_and_no_match_are_the_mixture():
+    model = _copying(agree=True)
+    ids = _few_tokens((2, 9), 6)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, tiny_decoder()(ids).logits)  # no context: the decoder
+        enc_ids = torch.full((2, 2, 4), 9)  # tokens the decoder never sees: nothing matches
+        with_copy = model(ids, encoder_input_ids=enc_ids).logits
+        model.copy_head = None
+        model.cepe_config.mix_copy = False
+        assert torch.equal(model(ids, encoder_input_ids=enc_ids).logits, with_copy)
+
+
+@pytest.mark.parametrize("mode", ["kv", "absorbed"])
+def test_incremental_calls_continue_the_copy(mode):
+    check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
+
+
+def test_beam_search_with_the_copy():
+    check_beam_scores(_copying(hidden=True))
+
+
+def test_save_load_enable_and_errors(tmp_path):
+    model = _copying(length=True)
+    model.save_pretrained(tmp_path / "copy")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "copy", decoder=tiny_decoder())
+    assert back.cepe_config.mix_copy and torch.equal(back.copy_head.weight, model.copy_head.weight)
+    ids, enc_ids = _few_tokens((2, 9), 4), _few_tokens((2, 3, 8), 5)
+    with torch.no_grad():
+        before = model(ids, encoder_input_ids=enc_ids).logits
+        assert torch.equal(back(ids, encoder_input_ids=enc_ids).logits, before)
+        model.enable_output_copy()  # idempotent
+        model.enable_output_mix(3, False, length=True, agree=True)  # both heads widened, zero weights
+        assert model.copy_head.weight.shape == (1, 7) and not model.copy_head.weight[0, 4:].any()
+        assert torch.equal(model(ids, encoder_input_ids=enc_ids).logits, before)
+    fresh = _matched(hidden=False)
+    fresh.enable_output_copy()
+    assert not fresh.copy_head.weight.any() and fresh.copy_head.bias.item() == COPY_BIAS
+    with pytest.raises(ValueError, match="missing keys.*copy_head"):
+        fresh.load_adapter_state_dict(_matched(hidden=False).adapter_state_dict())
+    plain = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(output_mix=True))
+    with pytest.raises(ValueError, match="enable_output_mix first"):
+        plain.enable_output_copy()
+    with pytest.raises(ValueError, match="mix_copy copies after the suffixes"):
+        CepeConfig(**{**tiny_cepe_config(output_mix=True).__dict__, "mix_copy": True})
