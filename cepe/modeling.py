@@ -467,7 +467,7 @@ class CepeForCausalLM(nn.Module):
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the added weights, under the released names (``encoder.*``, ``model.layers.{i}.cross_attn.*``),
-        and ``mix_head.*`` with the output mixture."""
+        and ``mix_head.*`` with the output mixture (``copy_head.*`` with its copy)."""
         out = {f"encoder.{k}": v for k, v in self.encoder.state_dict().items()}
         for k, v in self.decoder.state_dict().items():
             if ".cross_attn." in k:
@@ -479,8 +479,8 @@ class CepeForCausalLM(nn.Module):
         return out
 
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters with ``requires_grad``: exactly the encoder's, the cross-attention's and the mixing
-        head's."""
+        """Parameters with ``requires_grad``: exactly the encoder's, the cross-attention's and the output
+        mixture's heads' (``mix_head``, ``copy_head``)."""
         return (p for p in self.parameters() if p.requires_grad)
 
     def train(self, mode: bool = True) -> CepeForCausalLM:
