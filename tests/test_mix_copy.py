@@ -4,6 +4,7 @@ decoder's last tokens occur in the context, ``p_copy`` the tokens that follow th
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -27,17 +28,16 @@ from cepe.training.speed import HeadWeight, mixture_token_nll
 
 
 def _brute_copy(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
-    """The copy distribution written out once more: for each position, every k from the longest down,
-    the first whose suffix occurs with a token after it; that token's share of the occurrences."""
+    """The copy distribution from n-gram counts instead of a scan: for the longest suffix s of at most
+    ``order`` tokens that the context continues, ``p(y) = count(s + y) / sum over z of count(s + z)``."""
+    grams = Counter(tuple(ctx[i : i + n]) for n in range(2, order + 2) for i in range(len(ctx) - n + 1))
     out = torch.zeros(len(ids), vocab)
     for j in range(len(ids)):
         for k in range(min(order, j + 1), 0, -1):
-            starts = [
-                i for i in range(len(ctx) - k) if tuple(ctx[i : i + k]) == tuple(ids[j - k + 1 : j + 1])
-            ]
-            if starts:
-                for i in starts:
-                    out[j, ctx[i + k]] += 1 / len(starts)
+            s = tuple(ids[j - k + 1 : j + 1])
+            counts = torch.tensor([float(grams[(*s, y)]) for y in range(vocab)])
+            if counts.sum() > 0:
+                out[j] = counts / counts.sum()
                 break
     return out
 
