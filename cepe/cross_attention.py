@@ -115,11 +115,12 @@ class CrossContext:
         next. The features: the K indicators, with :attr:`match_length` the context's length input, then
         with :attr:`match_agree` the K successor agreements (``cepe.mixture.head_inputs``)."""
         from cepe.mixture import (
-            context_grams,
             context_successors,
             copy_spans,
+            grams_of,
             length_feature,
             suffix_agreement,
+            suffix_hashes,
         )
 
         if self.match_ids is None or self.match_order < 1:
@@ -128,9 +129,10 @@ class CrossContext:
                 "encoder_input_ids, not only encoder_hidden_states"
             )
         n, k = input_ids.shape[0], self.match_order
-        if self.grams is None or len(self.grams) < n:
+        if self.successors is None or len(self.successors.keys) < n:  # one table: grams and copies
             ids = self.match_ids[:n]
-            self.grams = context_grams(ids, ids >= 0, k)
+            self.successors = context_successors(ids, ids >= 0, k)
+            self.grams = grams_of(self.successors)
         tail = None
         if (
             past > 0
@@ -139,14 +141,14 @@ class CrossContext:
             and self.mix_tail[0].shape[0] == n
         ):
             tail = self.mix_tail[0]
-        agree = suffix_agreement(input_ids, self.grams[:n], tail)  # (n, T, K)
+        hashes = suffix_hashes(input_ids, k, tail)  # per order (n, T)
+        agree = suffix_agreement(input_ids, self.grams[:n], tail, hashes)  # (n, T, K)
         spans = None
         if self.match_copy:
-            if self.successors is None or len(self.successors.keys) < n:
-                ids = self.match_ids[:n]
-                self.successors = context_successors(ids, ids >= 0, k)
             table = self.successors
-            spans = copy_spans(input_ids, Successors(table.keys[:n], table.start[:n], table.succ), tail)
+            spans = copy_spans(
+                input_ids, Successors(table.keys[:n], table.start[:n], table.succ), tail, hashes
+            )
         feats = (agree > 0).float()
         if not torch.is_grad_enabled() and k > 1:
             before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)

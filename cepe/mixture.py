@@ -150,9 +150,9 @@ def mix_nll(logp_ctx: torch.Tensor, logp_dec: torch.Tensor, a: torch.Tensor) -> 
 # Whether the decoder's last k tokens occur in the context's text with a token after them (what a copy of
 # the context would continue): an exact fact about the token ids that the final hidden states carry only
 # faintly (docs/TRAINING.md, "The reader trained with its head"). Shape legend here: B batch, T decoder
-# tokens, S context tokens, K match orders.
+# tokens, S context tokens, K match orders, M the context's (gram, successor) pairs.
 
-Grams = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per example, per order: (hashes, successors)
+Grams = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per example, per order: (hashes, successor counts)
 _HASH_BASE = 1_000_003  # k-gram hash: sum of (id + 1)·base^(k-1-m), wrapping in int64
 
 
@@ -169,33 +169,92 @@ def _gram_hashes(ids: torch.Tensor, k: int) -> torch.Tensor:
     return h.masked_fill(bad, -1)
 
 
+@dataclass
+class Successors:
+    """Per example and suffix length, the context's k-grams that a token follows, sorted by hash, and
+    those tokens in the same order (:func:`context_successors`).
+
+    Attributes:
+        keys: per example, per k = 1..K, the sorted hashes ``(G,)`` (a gram once per occurrence).
+        start: per example, per k, where that list's successors begin in :attr:`succ`.
+        succ: ``(M,)`` the successor tokens of every list, one after another.
+    """
+
+    keys: list[list[torch.Tensor]]
+    start: list[list[int]]
+    succ: torch.Tensor
+
+
+def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Successors:
+    """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
+    ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``."""
+    flat = ids.reshape(ids.shape[0], -1)
+    keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
+    keys, start, parts, at = [], [], [], 0
+    for b in range(flat.shape[0]):
+        row = flat[b] if keep is None else flat[b][keep[b]]
+        per_k, begin = [], []
+        for k in range(1, order + 1):
+            h = _gram_hashes(row[:-1], k)  # (S - k,): the gram at i, followed by row[i + k]
+            h, by = h.sort(stable=True)
+            per_k.append(h)
+            begin.append(at)
+            parts.append(row[k:][by] if h.numel() else h)
+            at += h.numel()
+        keys.append(per_k)
+        start.append(begin)
+    succ = torch.cat(parts) if parts else flat.new_zeros(0)
+    return Successors(keys, start, succ)
+
+
+def grams_of(table: Successors) -> Grams:
+    """The :data:`Grams` of a successor table: per example and k, its distinct k-gram hashes ``(G,)``
+    (sorted) and the number of distinct tokens that follow each ``(G,)``."""
+    out = []
+    for b, per_k in enumerate(table.keys):
+        row = []
+        for k, keys in enumerate(per_k):
+            if keys.numel() == 0:
+                row.append((keys, keys.clone()))
+                continue
+            at = table.start[b][k]
+            succ = table.succ[at : at + keys.numel()]
+            pairs = torch.stack([keys, succ], dim=1).unique(dim=0)  # sorted (gram, successor) pairs
+            grams, n_next = pairs[:, 0].unique_consecutive(return_counts=True)
+            row.append((grams, n_next))
+        out.append(row)
+    return out
+
+
 def context_grams(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Grams:
     """Per example, per k = 1..``order``: the sorted hashes ``(G,)`` of the context's k-grams that a token
-    follows, and for each the number of distinct tokens that follow it ``(G,)``.
+    follows, and for each the number of distinct tokens that follow it ``(G,)`` (:func:`grams_of` the
+    context's :func:`context_successors`).
 
     Args:
         ids: context chunks ``(B, K, L)`` (or ``(B, S)``), read in order as one text.
         mask: the same shape, True on real tokens (None: all real).
     """
-    flat = ids.reshape(ids.shape[0], -1)
-    keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
-    out = []
-    for b in range(flat.shape[0]):
-        row = flat[b] if keep is None else flat[b][keep[b]]
-        per_k = []
-        for k in range(1, order + 1):
-            h = _gram_hashes(row[:-1], k)  # (S - k,): the gram starting at i, followed by row[i + k]
-            if h.numel() == 0:
-                per_k.append((h, h.clone()))
-                continue
-            pairs = torch.stack([h, row[k:]], dim=1).unique(dim=0)  # sorted (gram, successor) pairs
-            grams, n_next = pairs[:, 0].unique_consecutive(return_counts=True)
-            per_k.append((grams, n_next))
-        out.append(per_k)
-    return out
+    return grams_of(context_successors(ids, mask, order))
 
 
-def suffix_agreement(dec_ids: torch.Tensor, grams: Grams, tail: torch.Tensor | None = None) -> torch.Tensor:
+def suffix_hashes(dec_ids: torch.Tensor, order: int, tail: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per k = 1..``order``, the hashes ``(B, T)`` of the decoder's k tokens ending at each position of
+    ``dec_ids`` ``(B, T)`` (the earliest from ``tail`` ``(B, order - 1)`` where ``t < k - 1``; -1 there
+    when ``tail`` is None or unknown: such a suffix matches nothing)."""
+    b = dec_ids.shape[0]
+    if tail is None:
+        tail = dec_ids.new_full((b, max(order - 1, 0)), -1)
+    ext = torch.cat([tail, dec_ids], dim=1)  # (B, K - 1 + T)
+    return [_gram_hashes(ext[:, order - k :], k) for k in range(1, order + 1)]
+
+
+def suffix_agreement(
+    dec_ids: torch.Tensor,
+    grams: Grams,
+    tail: torch.Tensor | None = None,
+    hashes: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``(B, T, K)`` in fp32: entry ``(b, t, k-1)`` is ``1 / d`` when the decoder's tokens ending at ``t``
     (``k`` of them, the earliest from ``tail`` where ``t < k - 1``) occur in example b's context with a
     token after them, ``d`` the number of distinct tokens that follow them there (1: every occurrence
@@ -206,15 +265,15 @@ def suffix_agreement(dec_ids: torch.Tensor, grams: Grams, tail: torch.Tensor | N
         grams: :func:`context_grams` of the context, ``K`` orders per example.
         tail: ``(B, K - 1)`` the tokens before ``dec_ids`` (an incremental call; -1 where unknown), or None
             (the sequence starts at ``dec_ids``).
+        hashes: :func:`suffix_hashes` of ``dec_ids`` and ``tail`` when the caller has them already.
     """
     b, t = dec_ids.shape
     order = len(grams[0]) if grams else 0
-    if tail is None:
-        tail = dec_ids.new_full((b, max(order - 1, 0)), -1)
-    ext = torch.cat([tail, dec_ids], dim=1)  # (B, K - 1 + T)
+    if hashes is None:
+        hashes = suffix_hashes(dec_ids, order, tail)
     out = torch.zeros((b, t, order), dtype=torch.float32, device=dec_ids.device)
     for k in range(1, order + 1):
-        h = _gram_hashes(ext[:, order - k :], k)  # (B, T): the k-gram ending at each decoder token
+        h = hashes[k - 1]  # (B, T): the k-gram ending at each decoder token
         for row in range(b):
             keys, n_next = grams[row][k - 1]
             if keys.numel() == 0:
@@ -269,47 +328,9 @@ def suffix_agreement_ref(ids: list[int], ctx: list[int], order: int) -> torch.Te
 # up to K tokens; each occurrence one vote). The final distribution is
 #     p(y) = μ·p_copy(y) + (1 − μ)·p_mix(y),    μ = σ(c),
 # with ``c`` from a second head over the mixing head's inputs, and μ = 0 where no suffix occurs (there the
-# logits are the mixture's, bit for bit). Shape legend as above; M the context's (gram, successor) pairs.
+# logits are the mixture's, bit for bit). Shape legend as above.
 
 COPY_BIAS = -4.0  # the copy head's starting bias: μ = σ(-4) ≈ 0.018 wherever a suffix occurs
-
-
-@dataclass
-class Successors:
-    """Per example and suffix length, the context's k-grams that a token follows, sorted by hash, and
-    those tokens in the same order (:func:`context_successors`).
-
-    Attributes:
-        keys: per example, per k = 1..K, the sorted hashes ``(G,)`` (a gram once per occurrence).
-        start: per example, per k, where that list's successors begin in :attr:`succ`.
-        succ: ``(M,)`` the successor tokens of every list, one after another.
-    """
-
-    keys: list[list[torch.Tensor]]
-    start: list[list[int]]
-    succ: torch.Tensor
-
-
-def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Successors:
-    """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
-    ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``."""
-    flat = ids.reshape(ids.shape[0], -1)
-    keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
-    keys, start, parts, at = [], [], [], 0
-    for b in range(flat.shape[0]):
-        row = flat[b] if keep is None else flat[b][keep[b]]
-        per_k, begin = [], []
-        for k in range(1, order + 1):
-            h = _gram_hashes(row[:-1], k)  # (S - k,): the gram at i, followed by row[i + k]
-            h, by = h.sort(stable=True)
-            per_k.append(h)
-            begin.append(at)
-            parts.append(row[k:][by] if h.numel() else h)
-            at += h.numel()
-        keys.append(per_k)
-        start.append(begin)
-    succ = torch.cat(parts) if parts else flat.new_zeros(0)
-    return Successors(keys, start, succ)
 
 
 @dataclass
@@ -358,19 +379,24 @@ class CopySpans:
         return (out / n).reshape(*self.lo.shape, vocab)
 
 
-def copy_spans(dec_ids: torch.Tensor, table: Successors, tail: torch.Tensor | None = None) -> CopySpans:
+def copy_spans(
+    dec_ids: torch.Tensor,
+    table: Successors,
+    tail: torch.Tensor | None = None,
+    hashes: list[torch.Tensor] | None = None,
+) -> CopySpans:
     """:class:`CopySpans` ``(B, T)`` of the decoder tokens ``dec_ids`` ``(B, T)`` over each example's
     :func:`context_successors`: the longest k ≤ K whose last k tokens (the earliest from ``tail``
-    ``(B, K - 1)`` where ``t < k - 1``; -1 unknown, matching nothing) occur in the context."""
+    ``(B, K - 1)`` where ``t < k - 1``; -1 unknown, matching nothing) occur in the context (``hashes``:
+    their :func:`suffix_hashes` when the caller has them already)."""
     b, t = dec_ids.shape
     order = len(table.keys[0]) if table.keys else 0
-    if tail is None:
-        tail = dec_ids.new_full((b, max(order - 1, 0)), -1)
-    ext = torch.cat([tail, dec_ids], dim=1)  # (B, K - 1 + T)
+    if hashes is None:
+        hashes = suffix_hashes(dec_ids, order, tail)
     lo = torch.zeros((b, t), dtype=torch.long, device=dec_ids.device)
     hi = torch.zeros_like(lo)
     for k in range(1, order + 1):  # longer suffixes overwrite shorter ones where they occur
-        h = _gram_hashes(ext[:, order - k :], k)  # (B, T)
+        h = hashes[k - 1]  # (B, T)
         for row in range(b):
             keys = table.keys[row][k - 1]
             if keys.numel() == 0:

@@ -32,6 +32,7 @@ from .mixture import (
     COPY_BIAS,
     CopySpans,
     copy_mix_logits,
+    copy_mix_nll,
     head_inputs,
     mix_head,
     mix_logit,
@@ -701,8 +702,11 @@ class CepeForCausalLM(nn.Module):
             sel = shift != -100
             m = None if match is None else match[:, :-1][sel]
             cp = None if copy is None else copy[:, :-1][sel]
-            mixed = self.mixed_logits(h_ctx[:, :-1][sel], h_dec[:, :-1][sel], m, cp)  # (N, V)
-            loss = F.cross_entropy(mixed, shift[sel], reduction="sum") / sel.sum().clamp_min(1)
+            hc, hd, y = h_ctx[:, :-1][sel], h_dec[:, :-1][sel], shift[sel]
+            nll = F.cross_entropy(self._mixture_logits(hc, hd, m), y, reduction="none")  # (N,)
+            if cp is not None:  # the copy's probability of each target, no (N, V) copy distributions
+                nll = copy_mix_nll(nll, self.copy_logit(hc, hd, m), cp.target_probs(y), cp.has)
+            loss = nll.sum() / sel.sum().clamp_min(1)
         logits = None
         if labels is None or return_logits is None or return_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -725,8 +729,7 @@ class CepeForCausalLM(nn.Module):
         without the context and, with ``mix_match``, the suffix-match inputs ``(..., K)``
         (:func:`cepe.mixture.mix_logits`); with ``mix_copy``, ``copy`` ``(...)`` mixes in the copy
         (:func:`cepe.mixture.copy_mix_logits`)."""
-        a = self.mix_logit(h_ctx, h_dec, match)
-        logits = mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), a)
+        logits = self._mixture_logits(h_ctx, h_dec, match)
         if (copy is None) != (self.copy_head is None):
             raise ValueError(
                 f"this adapter {'copies' if self.copy_head is not None else 'does not copy'} (mix_copy): "
@@ -736,6 +739,12 @@ class CepeForCausalLM(nn.Module):
             return logits
         c = self.copy_logit(h_ctx, h_dec, match)
         return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
+
+    def _mixture_logits(
+        self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The logits ``(..., V)`` of the mixture of both sides, without the copy."""
+        return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), self.mix_logit(h_ctx, h_dec, match))
 
     def copy_logit(
         self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None

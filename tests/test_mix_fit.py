@@ -95,9 +95,11 @@ def test_vectorised_suffix_agreement_agrees_with_the_reference():
     assert suffix_agreement(torch.tensor([[4, 4], [5, 5]]), short).sum() == 0
 
 
-def test_collect_records_what_the_mixture_computes():
+def test_collect_records_what_the_mixture_computes(monkeypatch):
     """``-mix_nll`` of the recorded log-probabilities and the recorded own logit is the mixture model's
-    log-probability of each scored target."""
+    log-probability of each scored target (in fp32: ``collect`` runs bf16 autocast where bf16 is fast, as
+    the evaluations' ``--autocast auto`` does)."""
+    monkeypatch.setenv("CEPE_BF16", "0")
     model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(output_mix=True)).eval()
     randomize_cross(model)
     g = torch.Generator().manual_seed(1)
