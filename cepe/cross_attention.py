@@ -126,7 +126,7 @@ class CrossContext:
         if self.match_ids is None or self.match_order < 1:
             raise ValueError(
                 "the output mixture's suffix-match inputs (mix_match) need the context's token ids: give "
-                "encoder_input_ids, not only encoder_hidden_states"
+                "encoder_input_ids (with encoder_hidden_states: the token ids of the states' positions)"
             )
         n, k = input_ids.shape[0], self.match_order
         if self.successors is None or len(self.successors.keys) < n:  # one table: grams and copies

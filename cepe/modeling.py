@@ -502,6 +502,12 @@ class CepeForCausalLM(nn.Module):
             encoder_input_ids, encoder_attention_mask, micro_batch=self.cepe_config.encoder_micro_batch
         )
 
+    @property
+    def reads_context_ids(self) -> bool:
+        """Whether the output mixture matches the decoder's last tokens in the context's token ids
+        (``mix_match``): precomputed states then need those ids too (``prepare_context``)."""
+        return bool(self.cepe_config.output_mix and self.cepe_config.mix_match)
+
     def prepare_context(
         self,
         encoder_input_ids: torch.Tensor | None = None,
@@ -512,9 +518,12 @@ class CepeForCausalLM(nn.Module):
         """Build the :class:`CrossContext` that cross-attention reads: encodes the chunks once.
 
         Args:
-            encoder_input_ids: ``(B, K, L)`` chunk token ids.
+            encoder_input_ids: ``(B, K, L)`` chunk token ids. With ``encoder_hidden_states``, only for an
+                adapter whose output mixture matches the decoder's last tokens in the context
+                (``mix_match``): the token ids of the states' positions (``(B, S)`` or ``(B, K, L)``,
+                ``K·L = S``), read by the match and not encoded again.
             encoder_attention_mask: ``(B, K, L)`` (or ``(B, S)`` with precomputed states), True on real tokens.
-            encoder_hidden_states: precomputed Φ ``(B, S, D_enc)`` instead of ``encoder_input_ids``.
+            encoder_hidden_states: precomputed Φ ``(B, S, D_enc)`` instead of encoding ``encoder_input_ids``.
             cross_attention_cache: ``"kv" | "states" | "absorbed"`` (default: the config's).
 
         Returns:
@@ -524,14 +533,23 @@ class CepeForCausalLM(nn.Module):
         if mode not in CACHE_MODES:
             raise ValueError(f"cross_attention_cache must be one of {CACHE_MODES}, got {mode!r}")
         if encoder_hidden_states is not None:
-            if encoder_input_ids is not None:
-                raise ValueError("give encoder_input_ids or encoder_hidden_states, not both")
             states = encoder_hidden_states
             if states.dim() != 3 or states.shape[-1] != self.cepe_config.encoder.state_size:
                 raise ValueError(
                     f"encoder_hidden_states must be (B, S, {self.cepe_config.encoder.state_size}), "
                     f"got {tuple(states.shape)}"
                 )
+            if encoder_input_ids is not None:
+                if not self.reads_context_ids:
+                    raise ValueError(
+                        "give encoder_input_ids or encoder_hidden_states, not both (token ids go with "
+                        "precomputed states only for an adapter whose output mixture matches them, mix_match)"
+                    )
+                if encoder_input_ids.numel() != states.shape[0] * states.shape[1]:
+                    raise ValueError(
+                        f"encoder_input_ids {tuple(encoder_input_ids.shape)} must give one token id per "
+                        f"position of encoder_hidden_states {tuple(states.shape[:2])}"
+                    )
             mask = None
             if encoder_attention_mask is not None:
                 mask = encoder_attention_mask.reshape(states.shape[0], -1).bool()

@@ -228,6 +228,12 @@ class StoredDocument:
         """Rows of ``states`` / ``key_mask`` that belong to chunk ``k``."""
         return slice(k * self.chunk_length, (k + 1) * self.chunk_length)
 
+    def chunk_token_ids(self, k: int) -> torch.Tensor:
+        """The token ids ``(L,)`` (long) of chunk ``k``, -1 where the last chunk is padded."""
+        length = self.chunk_length
+        ids = self.token_ids[k * length : (k + 1) * length].long()
+        return torch.cat([ids, ids.new_full((length - ids.numel(),), -1)])
+
 
 @dataclass
 class StoredContext:
@@ -236,6 +242,8 @@ class StoredContext:
     Attributes:
         states: ``(1, S', D)``; key_mask: ``(1, S')`` bool.
         chunks: ``[(context id, chunk index), ...]`` used, in the order of ``states``.
+        token_ids: ``(1, S')`` the chunks' token ids (-1 on padding), for a model whose output mixture
+            matches the decoder's last tokens in the context (``mix_match``); None for other models.
         context_tokens: real tokens attended to; total_tokens: real tokens of the named contexts.
         retrieved: True when the contexts exceeded the budget and chunks were selected by retrieval.
         retriever: the retriever used (None when every chunk was used).
@@ -249,12 +257,18 @@ class StoredContext:
     retrieved: bool = False
     retriever: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None
 
     def encoder_kwargs(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Keyword arguments for ``CepeForCausalLM.generate`` / ``forward`` / ``prepare_context`` in place
-        of ``encoder_input_ids``: ``encoder_hidden_states (1, S', D)`` and ``encoder_attention_mask (1, S')``."""
+        of encoding the context: ``encoder_hidden_states (1, S', D)`` and ``encoder_attention_mask (1, S')``,
+        and with :attr:`token_ids` the same positions' ``encoder_input_ids (1, S')`` (not encoded again:
+        the output mixture's suffix match reads them)."""
         states = self.states if dtype is None else self.states.to(dtype)
-        return {"encoder_hidden_states": states, "encoder_attention_mask": self.key_mask}
+        out = {"encoder_hidden_states": states, "encoder_attention_mask": self.key_mask}
+        if self.token_ids is not None:
+            out["encoder_input_ids"] = self.token_ids
+        return out
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready summary (what an answer's metadata reports); ``chunks_used`` maps each context id to
@@ -701,6 +715,9 @@ class ContextStore:
         states = torch.cat([d.states[d.chunk_rows(k)] for d, k in all_chunks])  # (S', D)
         mask = torch.cat([d.key_mask[d.chunk_rows(k)] for d, k in all_chunks])  # (S',)
         states = states.to(device=self.model.device, dtype=self.model.dtype)
+        token_ids = None
+        if getattr(self.model, "reads_context_ids", False):  # the output mixture's suffix match
+            token_ids = torch.cat([d.chunk_token_ids(k) for d, k in all_chunks])[None].to(self.model.device)
         return StoredContext(
             states=states[None],
             key_mask=mask[None].to(self.model.device),
@@ -710,6 +727,7 @@ class ContextStore:
             retrieved=retrieved,
             retriever=kind,
             timings={"load_s": t_load, "gather_s": time.perf_counter() - t1},
+            token_ids=token_ids,
         )
 
     def _retriever(self, ids: list[str], docs: list[StoredDocument], kind: str, model_dir: str | None):

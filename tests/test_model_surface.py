@@ -221,6 +221,41 @@ def test_encoder_hidden_states_input_equals_encoder_input_ids(tiny_model):
         tiny_model(ids, encoder_hidden_states=states[..., :5])
 
 
+def test_a_mixture_takes_token_ids_next_to_precomputed_states(tiny_model):
+    """With the output mixture's suffix match, ``encoder_input_ids`` next to ``encoder_hidden_states`` are
+    the states' token ids: the logits are those of encoding the ids; the wrong number of ids is refused."""
+    tiny_model.enable_output_mix(3, hidden=False)
+    with torch.no_grad():  # weights on the match indicators: the ids change the logits
+        tiny_model.mix_head.weight.copy_(torch.tensor([[2.0, -1.5, 3.0]]))
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    enc_mask[1, 2, 4:] = False
+    ids[:, :2] = enc_ids[:, 0, :2]  # the decoder's first tokens occur in the context: the match counts
+    ref = _logits(tiny_model, ids, enc_ids, enc_mask)
+    with torch.no_grad():
+        states, key_mask = tiny_model.encode_context(enc_ids, enc_mask)
+        got = tiny_model(
+            ids, encoder_hidden_states=states, encoder_attention_mask=key_mask, encoder_input_ids=enc_ids
+        ).logits
+        flat = tiny_model(
+            ids,
+            encoder_hidden_states=states,
+            encoder_attention_mask=key_mask,
+            encoder_input_ids=enc_ids.reshape(2, -1),
+        ).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flat, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        other = tiny_model(
+            ids, encoder_hidden_states=states, encoder_attention_mask=key_mask, encoder_input_ids=enc_ids + 1
+        ).logits
+    assert (other - ref).abs().max() > 1e-3  # the ids are read, not ignored
+    with pytest.raises(ValueError, match="one token id per position"):
+        tiny_model(ids, encoder_hidden_states=states, encoder_input_ids=enc_ids[:, :2])
+    with pytest.raises(ValueError, match="need the context's token ids"):
+        tiny_model(ids, encoder_hidden_states=states, encoder_attention_mask=key_mask)
+
+
 def test_left_padded_batch_with_contexts_equals_each_example_alone(tiny_model):
     long, short = _ids(1, 9, seed=7), _ids(1, 5, seed=8)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])

@@ -66,6 +66,36 @@ def test_stored_phi_equals_encoder_output_and_answers_match(tiny, tmp_path):
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
 
 
+def test_a_mixture_with_its_copy_reads_the_stored_token_ids(tiny, tmp_path):
+    """An adapter whose output mixture matches the decoder's last tokens in the context (mix_match, with
+    the copy) gets the stored chunks' token ids next to Φ, and answers as from the re-encoded chunks."""
+    model, tok = tiny
+    model.enable_output_mix(3, hidden=False, agree=True)
+    model.enable_output_copy()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model.copy_head.weight.copy_(torch.randn(model.copy_head.weight.shape, generator=g))
+        model.copy_head.bias.fill_(2.0)  # μ ≈ 0.9 where a suffix occurs: the copy decides
+    assert model.reads_context_ids
+    store = ContextStore(tmp_path / "s", model, tok, dtype="fp32")
+    text = "zq7 kx9 mv4 pw2 jr8 " * 3 + TEXT[:50]  # a 52-token context: its last chunk is padded
+    cid, _ = store.add_text(text)
+    chunks, mask = chunk_ids(tok.encode(text), 16, pad_id=tok.pad_token_id)
+    assert not bool(mask.all())
+    ctx = store.context([cid])
+    assert ctx.token_ids is not None and ctx.token_ids.shape == ctx.key_mask.shape
+    assert ctx.token_ids[ctx.key_mask].tolist() == tok.encode(text)
+    assert (ctx.token_ids[~ctx.key_mask] == -1).all()
+    prompt = "zq7 kx9"
+    ref = _generate(model, tok, prompt, encoder_input_ids=chunks[None], encoder_attention_mask=mask[None])
+    assert _generate(model, tok, prompt, **ctx.encoder_kwargs()) == ref
+    assert tok.decode(ref).startswith(" mv4")  # the copy continues the context's text
+    kw = ctx.encoder_kwargs()
+    del kw["encoder_input_ids"]
+    with pytest.raises(ValueError, match="need the context's token ids"):
+        _generate(model, tok, prompt, **kw)
+
+
 def test_bf16_store_is_the_rounded_states_and_memory_mapped(tiny, tmp_path):
     model, tok = tiny
     store = ContextStore(tmp_path / "s", model, tok)  # default bf16
