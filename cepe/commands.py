@@ -64,12 +64,15 @@ class ExportConfig:
         quantize: weight storage of the written adapter (default: as loaded).
         decoder_name: decoder name to record in the adapter's config, e.g. ``default`` (default: keep the
             recorded one).
+        drop_mixture: write the adapter without its output mixture and copy (``output_mix``, ``mix_copy``):
+            the CEPE adapter they were trained over, whose decoder runs once per call.
     """
 
     model: str
     out: str
     quantize: str | None = field(default=None, metadata={"choices": ("int8",)})
     decoder_name: str | None = None
+    drop_mixture: bool = False
 
 
 def generate_text(cfg: GenerateConfig) -> str:
@@ -110,6 +113,8 @@ def export_adapter(cfg: ExportConfig) -> Path:
     model = CepeForCausalLM.from_pretrained(cfg.model)
     if cfg.decoder_name:
         model.cepe_config.decoder_name_or_path = cfg.decoder_name
+    if cfg.drop_mixture:
+        model.disable_output_mix()
     model.save_pretrained(cfg.out, quantize=cfg.quantize)
     return Path(cfg.out)
 

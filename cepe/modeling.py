@@ -396,6 +396,15 @@ class CepeForCausalLM(nn.Module):
             self.copy_head = self._new_copy_head()
         self.cepe_config.mix_copy = True
 
+    def disable_output_mix(self) -> None:
+        """Remove the output mixture, its copy and their heads: the model becomes the CEPE adapter they
+        were trained over (the paper's function; the decoder runs once per call). Idempotent."""
+        self.mix_head = None
+        self.copy_head = None
+        c = self.cepe_config
+        c.output_mix, c.mix_match, c.mix_hidden = False, 0, True
+        c.mix_length = c.mix_agree = c.mix_copy = False
+
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:
             raise ValueError(f"{side}_gate needs length_scale (its pivot): enable_length_scale first")

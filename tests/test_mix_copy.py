@@ -240,3 +240,27 @@ def test_save_load_enable_and_errors(tmp_path):
         plain.enable_output_copy()
     with pytest.raises(ValueError, match="mix_copy copies after the suffixes"):
         CepeConfig(**{**tiny_cepe_config(output_mix=True).__dict__, "mix_copy": True})
+
+
+def test_dropping_the_mixture_leaves_the_adapter_it_was_trained_over(tmp_path):
+    """``disable_output_mix`` (``cepe export --drop-mixture``): the logits are the context side's alone
+    (the adapter under the heads), saved without the heads and loaded back as such."""
+    model = _copying(length=True, agree=True)
+    ids, enc_ids, enc_mask = _padded_case()
+    _out, _h_ctx, _h_dec, lc, _ld, _match = _both_sides(model, ids, enc_ids, enc_mask)
+    model.disable_output_mix()
+    model.disable_output_mix()  # idempotent
+    c = model.cepe_config
+    assert model.mix_head is None and model.copy_head is None and not model.reads_context_ids
+    assert not (c.output_mix or c.mix_match or c.mix_length or c.mix_agree or c.mix_copy)
+    with torch.no_grad():
+        got = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    torch.testing.assert_close(got, lc, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "plain")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "plain", decoder=tiny_decoder())
+    assert back.mix_head is None and not any(
+        k.startswith(("mix_head", "copy_head")) for k in back.adapter_state_dict()
+    )
+    with torch.no_grad():
+        again = back(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    torch.testing.assert_close(again, lc, rtol=1e-5, atol=1e-5)

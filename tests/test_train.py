@@ -46,6 +46,9 @@ SOUPS = {
 # Stages' ends rebuilt on a lent accelerator and joined from its int8 export (scripts/device_kit.py join;
 # docs/TRAINING.md, "A second lent H200"): the adapter -> the stage's checkpoint it stands in for.
 GIVEN = {"runs/given/fast_soup_run3_h200": "runs/recipe/fast_soup_run3/checkpoints/step_000040/adapter"}
+# The repository's adapter without its output mixture (`cepe export --model adapters/smollm2-135m-cepe --out
+# runs/given/shipped_reader --drop-mixture`; docs/TRAINING.md, "The copy over the shipped adapter").
+FROM_REPO = {"runs/given/shipped_reader": "adapters/smollm2-135m-cepe"}
 SOUPS["runs/soup/linux_linux2"] = [  # fast_soup_ll_run's start ("All the kernel documentation, ...")
     f"runs/recipe/{s}/checkpoints/step_000040/adapter" for s in ("fast_soup_linux", "fast_soup_linux2")
 ]
@@ -280,6 +283,8 @@ def test_shipped_configs_load(path):
         )
         if cfg.stage == "warmup":
             assert cfg.encoder_init in ("decoder", "random") and cfg.data.shuffle > 0
+        elif cfg.init_adapter in FROM_REPO:  # a stage over the repository's own adapter
+            assert (ROOT / FROM_REPO[cfg.init_adapter] / "cepe_config.json").is_file()
         else:  # a later stage starts from a checkpoint of another shipped recipe run
             srcs = {o: c for o, c in _configs_by_output(path.parent).items() if o != cfg.output_dir}
             for init in SOUPS.get(cfg.init_adapter, [GIVEN.get(cfg.init_adapter, cfg.init_adapter)]):
