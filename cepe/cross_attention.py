@@ -59,6 +59,9 @@ class CrossContext:
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
+        reads, base: in a context made by :meth:`with_decoder_rows`, the number of leading rows that read
+            and the context of those rows alone: cross-attention runs over ``base`` for them and gives the
+            other rows exactly zero, so the rows that read nothing cost nothing (None otherwise).
     """
 
     states: torch.Tensor
@@ -86,6 +89,8 @@ class CrossContext:
         default=None, repr=False, compare=False
     )
     successors: Successors | None = field(default=None, repr=False, compare=False)
+    reads: int | None = None
+    base: CrossContext | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +105,8 @@ class CrossContext:
         if self.mix_tail is not None:
             tail, seen = self.mix_tail
             self.mix_tail = (tail.index_select(0, rows[: tail.shape[0]].to(tail.device)), seen)
+        if self.base is not None:  # the rows that read keep their layers' state in the base context
+            self.base.reorder(rows[: self.reads])
 
     def suffix_features(self, input_ids: torch.Tensor, past: int) -> torch.Tensor:
         """The suffix-match inputs ``(n, T, F)`` of the decoder rows ``input_ids`` ``(n, T)``: the features
@@ -189,6 +196,8 @@ class CrossContext:
                 match_length=self.match_length,
                 match_agree=self.match_agree,
                 match_copy=self.match_copy,
+                reads=b,
+                base=self,
             )
         return self.doubled
 
@@ -219,6 +228,8 @@ class CrossContext:
             match_length=self.match_length,
             match_agree=self.match_agree,
             match_copy=self.match_copy,
+            reads=None if self.reads is None else self.reads * r,
+            base=None if self.base is None else self.base.expand(self.base.batch_size * r),
         )
 
 
@@ -731,6 +742,10 @@ class CrossAttention(nn.Module):
         ``past``: decoder tokens already in the self-attention cache (an incremental call continues a
         sequence from there: the induction gates then carry on from the previous call).
         """
+        if ctx.base is not None:  # the output mixture's doubled batch: only the first rows read
+            n = int(ctx.reads)
+            upd = self.forward(hidden[:n], ctx.base, past)  # (n, T, D_dec)
+            return torch.cat([upd, upd.new_zeros((hidden.shape[0] - n, *upd.shape[1:]))])
         b, t, _ = hidden.shape
         normed = self.layernorm(hidden)
         q = self.q_proj(normed).view(b, t, self.num_heads, self.head_dim)

@@ -171,8 +171,8 @@ def _gram_hashes(ids: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class Successors:
-    """Per example and suffix length, the context's k-grams that a token follows, sorted by hash, and
-    those tokens in the same order (:func:`context_successors`).
+    """Per example and suffix length, the context's k-grams that a token follows and those tokens, sorted
+    by (hash, token) (:func:`context_successors`).
 
     Attributes:
         keys: per example, per k = 1..K, the sorted hashes ``(G,)`` (a gram once per occurrence).
@@ -196,10 +196,12 @@ def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int)
         per_k, begin = [], []
         for k in range(1, order + 1):
             h = _gram_hashes(row[:-1], k)  # (S - k,): the gram at i, followed by row[i + k]
-            h, by = h.sort(stable=True)
-            per_k.append(h)
+            nxt = row[k:]
+            by = torch.argsort(nxt, stable=True)  # by token, then (stably) by hash: (hash, token) order
+            by = by[torch.argsort(h[by], stable=True)]
+            per_k.append(h[by])
             begin.append(at)
-            parts.append(row[k:][by] if h.numel() else h)
+            parts.append(nxt[by])
             at += h.numel()
         keys.append(per_k)
         start.append(begin)
@@ -209,7 +211,8 @@ def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int)
 
 def grams_of(table: Successors) -> Grams:
     """The :data:`Grams` of a successor table: per example and k, its distinct k-gram hashes ``(G,)``
-    (sorted) and the number of distinct tokens that follow each ``(G,)``."""
+    (sorted) and the number of distinct tokens that follow each ``(G,)``, read off the table's (hash,
+    token) order in one pass (a gram starts where the hash changes, a distinct pair where either does)."""
     out = []
     for b, per_k in enumerate(table.keys):
         row = []
@@ -219,9 +222,13 @@ def grams_of(table: Successors) -> Grams:
                 continue
             at = table.start[b][k]
             succ = table.succ[at : at + keys.numel()]
-            pairs = torch.stack([keys, succ], dim=1).unique(dim=0)  # sorted (gram, successor) pairs
-            grams, n_next = pairs[:, 0].unique_consecutive(return_counts=True)
-            row.append((grams, n_next))
+            new_gram = torch.ones_like(keys, dtype=torch.bool)
+            new_gram[1:] = keys[1:] != keys[:-1]
+            new_pair = new_gram.clone()
+            new_pair[1:] |= succ[1:] != succ[:-1]
+            gram = new_gram.cumsum(0) - 1  # (G_occurrences,) each occurrence's gram index
+            n_next = torch.zeros(int(gram[-1]) + 1, dtype=torch.long, device=keys.device)
+            row.append((keys[new_gram], n_next.index_add_(0, gram, new_pair.long())))
         out.append(row)
     return out
 

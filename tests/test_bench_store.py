@@ -43,6 +43,31 @@ def test_bench_store_tiny(tmp_path):
     assert "| 1024 |" in (tmp_path / "bench_store.md").read_text()
 
 
+def test_bench_store_with_a_mixture_that_reads_the_ids(tmp_path, monkeypatch):
+    """An adapter whose output mixture matches the context's ids (the shipped one): every path gets the
+    ids next to Φ, and the stored and re-encoded first tokens agree."""
+    from cepe.bench import store_ttft
+
+    def mixture(*args, **kwargs):
+        model, tok = tiny_model()
+        model.enable_output_mix(3, hidden=False, agree=True)
+        model.enable_output_copy()
+        return model, tok
+
+    monkeypatch.setattr("cepe.generation.load_model_and_tokenizer", mixture)
+    seen = []
+    first = store_ttft._first_token_cepe
+
+    def spy(model, prompt, cache, **enc):
+        seen.append(enc["encoder_input_ids"].shape[-1] == enc["encoder_hidden_states"].shape[1])
+        return first(model, prompt, cache, **enc)
+
+    monkeypatch.setattr(store_ttft, "_first_token_cepe", spy)
+    cfg = StoreBenchConfig(model="tiny", lengths=[300], full_max_tokens=0, store_dtype="fp32", threads=1)
+    (row,) = run_store_bench(cfg, tmp_path, log=lambda *a: None)["rows"]
+    assert seen == [True] * 5 and row["first_token_same"]
+
+
 def test_bench_store_bf16(tmp_path, monkeypatch):
     """``dtype="bf16"``: every path (re-encode, stored, full prefill) runs the bf16 model, and the run says so."""
     from cepe.bench import store_ttft
