@@ -89,20 +89,33 @@ def generate_text(cfg: GenerateConfig) -> str:
 
 
 def describe_model(cfg: InfoConfig) -> dict[str, Any]:
-    """What ``cepe info`` prints: decoder, cross-attention layers, encoder, chunk length, parameter counts."""
+    """What ``cepe info`` prints: decoder, cross-attention layers, encoder, chunk length, parameter counts,
+    and the output mixture over them (None without one: the decoder runs once per call)."""
     from .generation import load_model
 
     model, _, fresh = load_model(cfg.model)
     n_train = sum(p.numel() for p in model.trainable_parameters())
     n_all = sum(p.numel() for p in model.parameters())
+    c = model.cepe_config
+    mixture = None
+    if c.output_mix:
+        mixture = {
+            "suffix_match_orders": c.mix_match,
+            "hidden_states_as_inputs": c.mix_hidden,
+            "context_length_input": c.mix_length,
+            "successor_agreements": c.mix_agree,
+            "copy": c.mix_copy,
+            "decoder_passes_per_call": 2,
+        }
     return {
-        "decoder": model.cepe_config.decoder_name_or_path,
+        "decoder": c.decoder_name_or_path,
         "decoder_layers_with_cross_attention": model.cross_layers,
-        "encoder": model.cepe_config.encoder.__dict__,
-        "chunk_length": model.cepe_config.chunk_length,
+        "encoder": c.encoder.__dict__,
+        "chunk_length": c.chunk_length,
         "trainable_parameters": n_train,
         "total_parameters": n_all,
         "untrained_encoder": fresh,
+        "output_mixture": mixture,
     }
 
 

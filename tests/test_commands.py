@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -82,10 +83,25 @@ def test_cepe_info_describes_the_model(adapter, capsys):
     assert info["trainable_parameters"] == n_encoder + n_cross
     assert info["total_parameters"] == n_encoder + n_cross + n_decoder
     assert info["chunk_length"] == 16 and info["encoder"]["hidden_size"] == 16
-    assert info["untrained_encoder"] is False
+    assert info["untrained_encoder"] is False and info["output_mixture"] is None
     # a plain decoder gets a fresh encoder, and says so
     assert main(["info", "--model", str(dec_dir)]) == 0
     assert json.loads(capsys.readouterr().out)["untrained_encoder"] is True
+    # an adapter with the output mixture and its copy says what it mixes
+    mixed = copy.deepcopy(model)
+    mixed.enable_output_mix(3, hidden=False, agree=True)
+    mixed.enable_output_copy()
+    mixed.save_pretrained(path.parent / "mixed")
+    assert main(["info", "--model", str(path.parent / "mixed")]) == 0
+    mix = json.loads(capsys.readouterr().out)["output_mixture"]
+    assert mix == {
+        "suffix_match_orders": 3,
+        "hidden_states_as_inputs": False,
+        "context_length_input": False,
+        "successor_agreements": True,
+        "copy": True,
+        "decoder_passes_per_call": 2,
+    }
 
 
 # ----------------------------------------------------------------------------- the main job
