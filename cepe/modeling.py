@@ -401,9 +401,9 @@ class CepeForCausalLM(nn.Module):
         were trained over (the paper's function; the decoder runs once per call). Idempotent."""
         self.mix_head = None
         self.copy_head = None
-        c = self.cepe_config
-        c.output_mix, c.mix_match, c.mix_hidden = False, 0, True
-        c.mix_length = c.mix_agree = c.mix_copy = False
+        defaults = CepeConfig.__dataclass_fields__
+        for name in ("output_mix", "mix_match", "mix_hidden", "mix_length", "mix_agree", "mix_copy"):
+            setattr(self.cepe_config, name, defaults[name].default)
 
     def _enable_side_gate(self, side: str) -> None:
         if self.cepe_config.length_scale is None:

@@ -120,7 +120,7 @@ def run_store_bench(
         warm_ids = torch.randint(0, vocab, (4 * length,), generator=g)
         c, m = chunk_ids(warm_ids, length)
         s, k = model.encode_context(c[None], m[None])
-        _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, c, m, s, k))
+        _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, c, s, k))
         for n in cfg.lengths:
             ids = torch.randint(0, vocab, (n,), generator=g)
             rows.append(_measure_length(cfg, model, tok, store, prompt, ids, log))
@@ -140,13 +140,13 @@ def run_store_bench(
     return result
 
 
-def _encoded(model, chunks, mask, states, key_mask) -> dict[str, torch.Tensor]:
+def _encoded(model, chunks, states, key_mask) -> dict[str, torch.Tensor]:
     """The context arguments of a first token from just-encoded ``states`` ``(1, S, D)`` of ``chunks``
-    ``(K, L)``: with a mixture that matches the context's ids (``reads_context_ids``) the ids too, padding
-    -1, as a stored context gives them."""
+    ``(K, L)``: with a mixture that matches the context's ids (``reads_context_ids``) the ids too (their
+    padding is masked by ``key_mask`` in ``prepare_context``)."""
     kw = {"encoder_hidden_states": states, "encoder_attention_mask": key_mask}
     if getattr(model, "reads_context_ids", False):
-        kw["encoder_input_ids"] = chunks.masked_fill(~mask.bool(), -1).reshape(1, -1)
+        kw["encoder_input_ids"] = chunks.reshape(1, -1)
     return kw
 
 
@@ -165,13 +165,13 @@ def _measure_length(
     # timed paths all start equally warm.
     c, m = chunk_ids(ids, length)
     s, k = model.encode_context(c[None], m[None])
-    _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, c, m, s, k))
+    _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, c, s, k))
     del c, m, s, k
     t = time.perf_counter()
     chunks, mask = chunk_ids(ids, length)
     states, key_mask = model.encode_context(chunks[None], mask[None])
     row["encode_s"] = time.perf_counter() - t
-    tok_re = _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, chunks, mask, states, key_mask))
+    tok_re = _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, chunks, states, key_mask))
     row["ttft_reencode_s"] = time.perf_counter() - t
     t = time.perf_counter()
     cid, _ = store.add_token_ids(ids.tolist(), name=f"random-{n}", encoded=(states, key_mask))
