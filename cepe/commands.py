@@ -105,6 +105,7 @@ def describe_model(cfg: InfoConfig) -> dict[str, Any]:
             "context_length_input": c.mix_length,
             "successor_agreements": c.mix_agree,
             "copy": c.mix_copy,
+            "copy_probability_input": c.mix_copy_prob,
             "decoder_passes_per_call": 2,
         }
     return {

@@ -210,6 +210,11 @@ class CepeConfig:
             μ = 0 where no suffix occurs (``cepe.mixture.copy_spans``). It copies a span token by token
             where the reader stops early (beyond the released code; without a context, or where nothing
             matches, the model is what it is without it).
+        mix_copy_prob: with ``mix_copy``, one more input to the copy head alone: how probable the
+            mixture without the copy finds what the copy proposes, ``max(log s, −16) / 8`` with
+            ``s = Σ_y p_copy(y)·p_mixture(y)`` (``cepe.mixture.copy_agreement_feature``), so that μ can
+            tell a match whose successor fits the text from one that does not (a rare token met once far
+            back). Its weight starts at zero: a copy head trained without it keeps its function.
     """
 
     encoder: EncoderConfig
@@ -244,6 +249,7 @@ class CepeConfig:
     mix_length: bool = False
     mix_agree: bool = False
     mix_copy: bool = False
+    mix_copy_prob: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -321,6 +327,11 @@ class CepeConfig:
             not self.mix_copy or self.mix_match > 0,
             "mix_copy copies after the suffixes that mix_match finds: set mix_match > 0 (and output_mix) "
             "too, or mix_copy: false",
+        )
+        check(
+            not self.mix_copy_prob or self.mix_copy,
+            "mix_copy_prob is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
+            "or mix_copy_prob: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

@@ -34,15 +34,22 @@ def length_feature(n: torch.Tensor) -> torch.Tensor:
 
 
 def head_inputs(
-    hidden_size: int, match: int = 0, hidden: bool = True, length: bool = False, agree: bool = False
+    hidden_size: int,
+    match: int = 0,
+    hidden: bool = True,
+    length: bool = False,
+    agree: bool = False,
+    prob: bool = False,
 ) -> list[str]:
     """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
     ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
-    successor agreements (``agree``)."""
+    successor agreements (``agree``), and for the copy head ``p`` the mixture's probability of the copy's
+    tokens (``prob``: :func:`copy_agreement_feature`)."""
     names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
-    return names + ([f"a{k}" for k in range(1, match + 1)] if agree else [])
+    names += [f"a{k}" for k in range(1, match + 1)] if agree else []
+    return names + (["p"] if prob else [])
 
 
 def mix_head(
@@ -52,13 +59,14 @@ def mix_head(
     hidden: bool = True,
     length: bool = False,
     agree: bool = False,
+    prob: bool = False,
 ) -> nn.Linear:
     """The mixing head ``Linear(F, 1)``, its inputs :func:`head_inputs` (``2·D`` hidden states when
     ``hidden``, ``match`` = K suffix-match indicators, one more for the context's length with ``length``,
-    K successor agreements with ``agree``), all zero (λ = ½ everywhere until it trains), on ``like``'s
-    device, in fp32."""
+    K successor agreements with ``agree``, one more for the copy head with ``prob``), all zero (λ = ½
+    everywhere until it trains), on ``like``'s device, in fp32."""
     head = nn.Linear(
-        len(head_inputs(hidden_size, match, hidden, length, agree)),
+        len(head_inputs(hidden_size, match, hidden, length, agree, prob)),
         1,
         bias=True,
         device=like.device,
@@ -377,6 +385,17 @@ class CopySpans:
         n = (self.hi - self.lo).reshape(-1).clamp_min(1).float()
         return (hits / n).reshape(self.lo.shape)
 
+    def expected(self, logp: torch.Tensor) -> torch.Tensor:
+        """``Σ_y p_copy(y)·p(y)`` ``(...)`` in fp32 for log-probabilities ``logp`` ``(..., V)`` of another
+        distribution over the same positions (each vote's probability under it, averaged over the votes;
+        0 where no suffix occurs)."""
+        row, tok = self._votes()
+        flat = logp.reshape(-1, logp.shape[-1])
+        out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=logp.device)
+        out.index_add_(0, row, flat[row, tok].float().exp())
+        n = (self.hi - self.lo).reshape(-1).clamp_min(1).float()
+        return (out / n).reshape(self.lo.shape)
+
     def probs(self, vocab: int) -> torch.Tensor:
         """The copy distributions ``(..., V)`` in fp32 (all zero where no suffix occurs)."""
         row, tok = self._votes()
@@ -430,6 +449,18 @@ def copy_probs_ref(ids: list[int], ctx: list[int], order: int, vocab: int) -> to
                     out[j, tok] += 1.0 / len(nxt)
                 break
     return out
+
+
+PROB_FLOOR = -16.0  # the copy-agreement input's floor, in nats: log s below it reads as this
+
+
+def copy_agreement_feature(s: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """The copy head's input ``(...)`` in fp32 (``CepeConfig.mix_copy_prob``) from ``s`` ``(...)``, the
+    probability the mixture without the copy gives a draw from the copy (``CopySpans.expected``):
+    ``max(log s, −16) / 8``, in [−2, 0] (0: the mixture is sure of what the copy proposes), and 0 where
+    no suffix occurs (``has`` False: there the copy takes no part)."""
+    f = s.float().clamp_min(1e-30).log().clamp_min(PROB_FLOOR) / 8.0
+    return torch.where(has, f, torch.zeros_like(f))
 
 
 def copy_mix_logits(

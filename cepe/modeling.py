@@ -31,6 +31,7 @@ from .layers import norm_scale
 from .mixture import (
     COPY_BIAS,
     CopySpans,
+    copy_agreement_feature,
     copy_mix_logits,
     copy_mix_nll,
     head_inputs,
@@ -121,6 +122,7 @@ class CepeForCausalLM(nn.Module):
             c.mix_hidden,
             c.mix_length,
             c.mix_agree,
+            c.mix_copy_prob,
         )
         with torch.no_grad():
             head.bias.fill_(COPY_BIAS)
@@ -378,23 +380,35 @@ class CepeForCausalLM(nn.Module):
             new = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree)
             self.mix_head = widen_head(self.mix_head, old, new)
             if self.copy_head is not None:
-                self.copy_head = widen_head(self.copy_head, old, new)
+                p = c.mix_copy_prob
+                old_copy = head_inputs(d, match, hidden, c.mix_length, c.mix_agree, p)
+                new_copy = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree, p)
+                self.copy_head = widen_head(self.copy_head, old_copy, new_copy)
         c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
         c.mix_length = c.mix_length or length
         c.mix_agree = c.mix_agree or agree
 
-    def enable_output_copy(self) -> None:
+    def enable_output_copy(self, prob: bool = False) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
-        0.018 wherever a suffix occurs, so this changes the function there until the head trains).
-        Idempotent; raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
-        if self.mix_head is None or self.cepe_config.mix_match < 1:
+        0.018 wherever a suffix occurs, so this changes the function there until the head trains), with
+        ``prob`` its input of the mixture's probability of the copy's tokens (``mix_copy_prob``); a copy
+        head trained without that input gets it with a zero weight (its function unchanged). Idempotent;
+        raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
+        c = self.cepe_config
+        if self.mix_head is None or c.mix_match < 1:
             raise ValueError(
                 "mix_copy needs the output mixture with suffix-match inputs: enable_output_mix first"
             )
         if self.copy_head is None:
+            c.mix_copy_prob = prob
             self.copy_head = self._new_copy_head()
-        self.cepe_config.mix_copy = True
+        elif prob and not c.mix_copy_prob:
+            d = int(self.decoder.config.hidden_size)
+            args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
+            self.copy_head = widen_head(self.copy_head, head_inputs(*args), head_inputs(*args, prob=True))
+            c.mix_copy_prob = True
+        c.mix_copy = True
 
     def disable_output_mix(self) -> None:
         """Remove the output mixture, its copy and their heads: the model becomes the CEPE adapter they
@@ -402,7 +416,16 @@ class CepeForCausalLM(nn.Module):
         self.mix_head = None
         self.copy_head = None
         defaults = CepeConfig.__dataclass_fields__
-        for name in ("output_mix", "mix_match", "mix_hidden", "mix_length", "mix_agree", "mix_copy"):
+        names = (
+            "output_mix",
+            "mix_match",
+            "mix_hidden",
+            "mix_length",
+            "mix_agree",
+            "mix_copy",
+            "mix_copy_prob",
+        )
+        for name in names:
             setattr(self.cepe_config, name, defaults[name].default)
 
     def _enable_side_gate(self, side: str) -> None:
@@ -730,9 +753,11 @@ class CepeForCausalLM(nn.Module):
             m = None if match is None else match[:, :-1][sel]
             cp = None if copy is None else copy[:, :-1][sel]
             hc, hd, y = h_ctx[:, :-1][sel], h_dec[:, :-1][sel], shift[sel]
-            nll = F.cross_entropy(self._mixture_logits(hc, hd, m), y, reduction="none")  # (N,)
+            mixed = self._mixture_logits(hc, hd, m)  # (N, V)
+            nll = F.cross_entropy(mixed, y, reduction="none")  # (N,)
             if cp is not None:  # the copy's probability of each target, no (N, V) copy distributions
-                nll = copy_mix_nll(nll, self.copy_logit(hc, hd, m), cp.target_probs(y), cp.has)
+                p = self._copy_prob_input(mixed, cp)
+                nll = copy_mix_nll(nll, self.copy_logit(hc, hd, m, p), cp.target_probs(y), cp.has)
             loss = nll.sum() / sel.sum().clamp_min(1)
         logits = None
         if labels is None or return_logits is None or return_logits:
@@ -764,8 +789,16 @@ class CepeForCausalLM(nn.Module):
             )
         if copy is None:
             return logits
-        c = self.copy_logit(h_ctx, h_dec, match)
+        c = self.copy_logit(h_ctx, h_dec, match, self._copy_prob_input(logits, copy))
         return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
+
+    def _copy_prob_input(self, logits: torch.Tensor, copy: CopySpans) -> torch.Tensor | None:
+        """The copy head's ``mix_copy_prob`` input ``(...)`` from the mixture's logits ``(..., V)`` without
+        the copy (no gradient flows through it), or None when the head does not take it."""
+        if not self.cepe_config.mix_copy_prob:
+            return None
+        with torch.no_grad():
+            return copy_agreement_feature(copy.expected(logits.float().log_softmax(-1)), copy.has)
 
     def _mixture_logits(
         self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None
@@ -774,12 +807,24 @@ class CepeForCausalLM(nn.Module):
         return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), self.mix_logit(h_ctx, h_dec, match))
 
     def copy_logit(
-        self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None
+        self,
+        h_ctx: torch.Tensor,
+        h_dec: torch.Tensor,
+        match: torch.Tensor | None = None,
+        prob: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The copy logit ``(...)`` (μ = σ(c) where a suffix occurs) of the copy head
-        (``CepeConfig.mix_copy``), over the mixing head's inputs."""
+        (``CepeConfig.mix_copy``), over the mixing head's inputs and, with ``mix_copy_prob``, ``prob``
+        ``(...)`` (:func:`cepe.mixture.copy_agreement_feature`; required exactly then)."""
         if self.copy_head is None:
             raise ValueError("this adapter has no copy head (mix_copy): enable_output_copy first")
+        if (prob is None) == self.cepe_config.mix_copy_prob:
+            raise ValueError(
+                f"this copy head {'takes' if self.cepe_config.mix_copy_prob else 'does not take'} the "
+                "mixture's probability of the copy's tokens (mix_copy_prob): give prob exactly when it does"
+            )
+        if prob is not None:
+            match = torch.cat([match, prob[..., None].to(match.dtype)], dim=-1)
         return mix_logit(self.copy_head, h_ctx, h_dec, match, self.cepe_config.mix_hidden)
 
     def mix_logit(

@@ -3,11 +3,13 @@ decoder's last tokens occur in the context, ``p_copy`` the tokens that follow th
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import check_beam_scores, check_incremental_calls, tiny_cepe_config, tiny_decoder
 from test_output_mix import _both_sides, _few_tokens, _matched, _padded_case
 
@@ -16,6 +18,7 @@ from cepe.config import CepeConfig
 from cepe.mixture import (
     COPY_BIAS,
     context_successors,
+    copy_agreement_feature,
     copy_mix_logits,
     copy_mix_logits_ref,
     copy_mix_nll,
@@ -24,7 +27,7 @@ from cepe.mixture import (
     mix_logit,
     mix_logits_ref,
 )
-from cepe.training.speed import HeadWeight, mixture_token_nll
+from cepe.training.speed import HeadWeight, chunked_copy_expectation, mixture_token_nll
 
 
 def _brute_copy(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
@@ -110,12 +113,13 @@ def test_copy_mix_logits_agree_with_the_reference(spread):
 
 
 def _copying(
-    hidden: bool = False, length: bool = False, agree: bool = False, seed: int = 5
+    hidden: bool = False, length: bool = False, agree: bool = False, seed: int = 5, prob: bool = False
 ) -> CepeForCausalLM:
-    """:func:`_matched` (3 suffix orders) with the copy, its head given random weights."""
+    """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``: with
+    the mixture's probability of the copy's tokens as one more input)."""
     model = _matched(hidden)
     model.enable_output_mix(3, hidden, length=length, agree=agree)
-    model.enable_output_copy()
+    model.enable_output_copy(prob)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.copy_head.weight.copy_(torch.randn(model.copy_head.weight.shape, generator=g))
@@ -123,11 +127,14 @@ def _copying(
     return model
 
 
-@pytest.mark.parametrize("hidden,agree", [(False, False), (True, True)])
-def test_the_model_mixes_in_the_copy(hidden, agree):
+@pytest.mark.parametrize(
+    "hidden,agree,prob", [(False, False, False), (True, True, False), (False, True, True)]
+)
+def test_the_model_mixes_in_the_copy(hidden, agree, prob):
     """Logits = the reference mixture, then the reference copy of each example's real context tokens
-    mixed in with μ from the copy head over the mixing head's inputs; the loss is their cross-entropy."""
-    model = _copying(hidden, agree=agree)
+    mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` and the
+    mixture's probability of a draw from the copy, floored log / 8); the loss is their cross-entropy."""
+    model = _copying(hidden, agree=agree, prob=prob)
     ids, enc_ids, enc_mask = _padded_case()
     ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
@@ -141,6 +148,11 @@ def test_the_model_mixes_in_the_copy(hidden, agree):
     has = copy.sum(-1) > 0
     assert has.any() and (~has).any()
     mixed = mix_logits_ref(lc, ld, mix_logit(model.mix_head, h_ctx, h_dec, x, hidden))
+    if prob:  # the expected mixture probability of a copied token, by the dense distributions
+        s = (copy.double() * mixed.exp()).sum(-1)
+        f = torch.where(has, s.log().clamp_min(-16.0) / 8, torch.zeros_like(s))
+        assert (f[has] < -0.05).any()  # the input is not trivially zero
+        x = torch.cat([x, f[..., None].to(x.dtype)], dim=-1)
     c = mix_logit(model.copy_head, h_ctx, h_dec, x, hidden)
     want = copy_mix_logits_ref(mixed, c, copy, has)
     torch.testing.assert_close(out.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
@@ -154,10 +166,12 @@ def test_the_model_mixes_in_the_copy(hidden, agree):
     assert (off - out).abs().max() > 1e-2  # the copy moved the distribution
 
 
-def test_the_training_loss_agrees_with_the_reference_path():
-    """The fast loss (each side's log-probability of the target, the copy's probability of it) equals
-    the cross-entropy of the mixed logits, and so do their gradients on both heads."""
-    model = _copying(agree=True)
+@pytest.mark.parametrize("prob", [False, True])
+def test_the_training_loss_agrees_with_the_reference_path(prob):
+    """The fast loss (each side's log-probability of the target, the copy's probability of it, with
+    ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows) equals the
+    cross-entropy of the mixed logits, and so do their gradients on both heads."""
+    model = _copying(agree=True, prob=prob)
     ids, enc_ids, enc_mask = _padded_case()
     labels = ids.clone()
     labels[0, :2] = -100
@@ -178,6 +192,52 @@ def test_the_training_loss_agrees_with_the_reference_path():
     for a, b in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert grads[0][1].abs().sum() > 0
+
+
+def test_the_chunked_copy_expectation_agrees_with_the_dense_one():
+    """``chunked_copy_expectation`` (rows in chunks, positions without a match skipped) = ``expected``
+    of the whole mixture's log-probabilities = the dense sum."""
+    g = torch.Generator().manual_seed(3)
+    vocab, d = 11, 6
+    ctx_ids = torch.randint(0, vocab, (1, 40), generator=g)
+    dec = torch.randint(0, vocab, (1, 23), generator=g)
+    dec[0, :5] = vocab + 1  # no match at the start: chunks with nothing to compute
+    spans = copy_spans(dec, context_successors(ctx_ids, None, 3))[0]  # (23,)
+    h_ctx, h_dec, w = torch.randn(23, d, generator=g), torch.randn(23, d, generator=g), torch.randn(vocab, d)
+    a = torch.randn(23, generator=g) * 3
+    logp = torch.logaddexp(
+        F.logsigmoid(a)[:, None] + (h_ctx @ w.T).log_softmax(-1),
+        F.logsigmoid(-a)[:, None] + (h_dec @ w.T).log_softmax(-1),
+    )
+    dense = (spans.probs(vocab) * logp.exp()).sum(-1)
+    torch.testing.assert_close(spans.expected(logp), dense)
+    for chunk in (1, 4, 100):
+        torch.testing.assert_close(chunked_copy_expectation(h_ctx, h_dec, a, w, spans, chunk), dense)
+    assert spans.has.any() and (~spans.has).any() and dense[spans.has].gt(0).all()
+    f = copy_agreement_feature(torch.tensor([1.0, 1e-3, 1e-30, 0.5]), torch.tensor([True, True, True, False]))
+    torch.testing.assert_close(f, torch.tensor([0.0, math.log(1e-3) / 8, -2.0, 0.0]))
+
+
+def test_the_probability_input_starts_at_zero_weight():
+    """A copy head trained without ``mix_copy_prob`` keeps its function when the input is added (zero
+    weight); the input then changes μ once it has a weight; saved and loaded back as such."""
+    model = _copying(agree=True)
+    ids, enc_ids, enc_mask = _padded_case()
+    kw = dict(encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
+    with torch.no_grad():
+        before = model(ids, **kw).logits
+        model.enable_output_copy(prob=True)
+        assert model.cepe_config.mix_copy_prob and model.copy_head.weight.shape == (1, 7)
+        assert model.copy_head.weight[0, -1] == 0
+        torch.testing.assert_close(model(ids, **kw).logits, before, rtol=0, atol=0)
+        model.enable_output_copy(prob=True)  # idempotent
+        model.enable_output_copy()  # never narrows a head
+        assert model.copy_head.weight.shape == (1, 7)
+        model.copy_head.weight[0, -1] = 3.0
+        after = model(ids, **kw).logits
+        assert (after - before).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="mix_copy_prob is an input of the copy"):
+        CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_prob": True})
 
 
 def test_greedy_generation_copies_a_span_the_decoder_does_not_continue():
@@ -211,10 +271,14 @@ def test_invariants_no_context_and_no_match_are_the_mixture():
 @pytest.mark.parametrize("mode", ["kv", "absorbed"])
 def test_incremental_calls_continue_the_copy(mode):
     check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
+    check_incremental_calls(
+        _copying(agree=True, prob=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3)
+    )
 
 
 def test_beam_search_with_the_copy():
     check_beam_scores(_copying(hidden=True))
+    check_beam_scores(_copying(prob=True))
 
 
 def test_save_load_enable_and_errors(tmp_path):

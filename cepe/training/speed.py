@@ -189,7 +189,7 @@ def mixture_token_nll(
     (and the suffix-match inputs ``(B, T, K)`` with ``mix_match``, where each position's copy lies
     ``(B, T)`` with ``mix_copy``): each side's log-probability of the target alone (fast), or the mixed
     logits (reference; also for soft-capped heads)."""
-    from cepe.mixture import copy_mix_nll, mix_nll
+    from cepe.mixture import copy_agreement_feature, copy_mix_nll, mix_nll
 
     shift = labels[:, 1:]
     sel = shift != -100
@@ -204,10 +204,47 @@ def mixture_token_nll(
         w = head.get(model.decoder, dtype)
         logp_ctx = chunked_target_logprobs(h, w, y)
         logp_dec = chunked_target_logprobs(h_dec, w, y)
-    nll = mix_nll(logp_ctx, logp_dec, model.mix_logit(h, h_dec, m))
+    a = model.mix_logit(h, h_dec, m)
+    nll = mix_nll(logp_ctx, logp_dec, a)
     if cp is None:
         return nll
-    return copy_mix_nll(nll, model.copy_logit(h, h_dec, m), cp.target_probs(y), cp.has)
+    prob = None
+    if model.cepe_config.mix_copy_prob:
+        with torch.autocast(dev, enabled=False):
+            s = chunked_copy_expectation(h, h_dec, a, w, cp)
+        prob = copy_agreement_feature(s, cp.has)
+    return copy_mix_nll(nll, model.copy_logit(h, h_dec, m, prob), cp.target_probs(y), cp.has)
+
+
+@torch.no_grad()
+def chunked_copy_expectation(
+    h_ctx: torch.Tensor,
+    h_dec: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    copy: CopySpans,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """``Σ_y p_copy(y)·p_mixture(y)`` ``(N,)`` fp32 (:meth:`cepe.mixture.CopySpans.expected` of the
+    mixture ``σ(a)·softmax(h_ctx Wᵀ) + σ(−a)·softmax(h_dec Wᵀ)``) without all logits at once; no gradient.
+
+    Args:
+        h_ctx, h_dec: ``(N, D)`` final hidden states with and without the context; a: ``(N,)`` the mixing
+            logit; weight: ``(V, D)`` the output embedding (matmul dtype); copy: ``(N,)`` copy spans.
+    """
+    rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    out = torch.zeros(h_ctx.shape[0], dtype=torch.float32, device=h_ctx.device)
+    for i in range(0, h_ctx.shape[0], rows):
+        part = copy[i : i + rows]
+        if not bool(part.has.any()):
+            continue
+        lam = a[i : i + rows].detach().float()[:, None]
+        logp = torch.logaddexp(
+            F.logsigmoid(lam) + (h_ctx[i : i + rows].to(weight.dtype) @ weight.T).float().log_softmax(-1),
+            F.logsigmoid(-lam) + (h_dec[i : i + rows].to(weight.dtype) @ weight.T).float().log_softmax(-1),
+        )  # (n, V) the mixture's log-probabilities
+        out[i : i + rows] = part.expected(logp)
+    return out
 
 
 def lm_loss(
