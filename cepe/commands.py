@@ -106,6 +106,7 @@ def describe_model(cfg: InfoConfig) -> dict[str, Any]:
             "successor_agreements": c.mix_agree,
             "copy": c.mix_copy,
             "copy_probability_input": c.mix_copy_prob,
+            "copy_recency_input": c.mix_copy_near,
             "decoder_passes_per_call": 2,
         }
     return {

@@ -215,6 +215,10 @@ class CepeConfig:
             ``s = Σ_y p_copy(y)·p_mixture(y)`` (``cepe.mixture.copy_agreement_feature``), so that μ can
             tell a match whose successor fits the text from one that does not (a rare token met once far
             back). Its weight starts at zero: a copy head trained without it keeps its function.
+        mix_copy_near: with ``mix_copy``, one more input to the copy head alone: how far before the
+            context's end the matched suffix last occurs, ``log(1 + d / 64) / 4``
+            (``cepe.mixture.copy_recency_feature``), so that μ can trust a match in the text just read
+            more than one from far back. Its weight starts at zero, as ``mix_copy_prob``'s.
     """
 
     encoder: EncoderConfig
@@ -250,6 +254,7 @@ class CepeConfig:
     mix_agree: bool = False
     mix_copy: bool = False
     mix_copy_prob: bool = False
+    mix_copy_near: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -332,6 +337,11 @@ class CepeConfig:
             not self.mix_copy_prob or self.mix_copy,
             "mix_copy_prob is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
             "or mix_copy_prob: false",
+        )
+        check(
+            not self.mix_copy_near or self.mix_copy,
+            "mix_copy_near is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
+            "or mix_copy_near: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

@@ -152,10 +152,7 @@ class CrossContext:
         agree = suffix_agreement(input_ids, self.grams[:n], tail, hashes)  # (n, T, K)
         spans = None
         if self.match_copy:
-            table = self.successors
-            spans = copy_spans(
-                input_ids, Successors(table.keys[:n], table.start[:n], table.succ), tail, hashes
-            )
+            spans = copy_spans(input_ids, self.successors.rows(n), tail, hashes)
         feats = (agree > 0).float()
         if not torch.is_grad_enabled() and k > 1:
             before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)

@@ -40,16 +40,18 @@ def head_inputs(
     length: bool = False,
     agree: bool = False,
     prob: bool = False,
+    near: bool = False,
 ) -> list[str]:
     """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
     ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
     successor agreements (``agree``), and for the copy head ``p`` the mixture's probability of the copy's
-    tokens (``prob``: :func:`copy_agreement_feature`)."""
+    tokens (``prob``: :func:`copy_agreement_feature`) and ``r`` how far back the copied suffix last
+    occurs (``near``: :func:`copy_recency_feature`)."""
     names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
     names += [f"a{k}" for k in range(1, match + 1)] if agree else []
-    return names + (["p"] if prob else [])
+    return names + (["p"] if prob else []) + (["r"] if near else [])
 
 
 def mix_head(
@@ -60,13 +62,14 @@ def mix_head(
     length: bool = False,
     agree: bool = False,
     prob: bool = False,
+    near: bool = False,
 ) -> nn.Linear:
     """The mixing head ``Linear(F, 1)``, its inputs :func:`head_inputs` (``2·D`` hidden states when
     ``hidden``, ``match`` = K suffix-match indicators, one more for the context's length with ``length``,
-    K successor agreements with ``agree``, one more for the copy head with ``prob``), all zero (λ = ½
-    everywhere until it trains), on ``like``'s device, in fp32."""
+    K successor agreements with ``agree``, one more each for the copy head with ``prob`` and ``near``),
+    all zero (λ = ½ everywhere until it trains), on ``like``'s device, in fp32."""
     head = nn.Linear(
-        len(head_inputs(hidden_size, match, hidden, length, agree, prob)),
+        len(head_inputs(hidden_size, match, hidden, length, agree, prob, near)),
         1,
         bias=True,
         device=like.device,
@@ -186,11 +189,19 @@ class Successors:
         keys: per example, per k = 1..K, the sorted hashes ``(G,)`` (a gram once per occurrence).
         start: per example, per k, where that list's successors begin in :attr:`succ`.
         succ: ``(M,)`` the successor tokens of every list, one after another.
+        back: ``(M,)`` for each entry, how many tokens before the context's end its gram's most recent
+            successor stands (1: the context's last token), the same for every occurrence of a gram;
+            None when not computed.
     """
 
     keys: list[list[torch.Tensor]]
     start: list[list[int]]
     succ: torch.Tensor
+    back: torch.Tensor | None = None
+
+    def rows(self, n: int) -> Successors:
+        """The table of the first ``n`` examples."""
+        return Successors(self.keys[:n], self.start[:n], self.succ, self.back)
 
 
 def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Successors:
@@ -198,7 +209,7 @@ def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int)
     ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``."""
     flat = ids.reshape(ids.shape[0], -1)
     keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
-    keys, start, parts, at = [], [], [], 0
+    keys, start, parts, backs, at = [], [], [], [], 0
     for b in range(flat.shape[0]):
         row = flat[b] if keep is None else flat[b][keep[b]]
         per_k, begin = [], []
@@ -207,14 +218,30 @@ def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int)
             nxt = row[k:]
             by = torch.argsort(nxt, stable=True)  # by token, then (stably) by hash: (hash, token) order
             by = by[torch.argsort(h[by], stable=True)]
-            per_k.append(h[by])
+            keys_k = h[by]
+            per_k.append(keys_k)
             begin.append(at)
             parts.append(nxt[by])
+            backs.append(_most_recent(keys_k, row.numel() - k - by))
             at += h.numel()
         keys.append(per_k)
         start.append(begin)
     succ = torch.cat(parts) if parts else flat.new_zeros(0)
-    return Successors(keys, start, succ)
+    back = torch.cat(backs) if backs else flat.new_zeros(0)
+    return Successors(keys, start, succ, back)
+
+
+def _most_recent(keys: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """For sorted gram hashes ``keys`` ``(G,)`` and each occurrence's distance from the context's end
+    ``back`` ``(G,)``, the smallest distance among the occurrences of the same gram, per occurrence."""
+    if keys.numel() == 0:
+        return back
+    new_gram = torch.ones_like(keys, dtype=torch.bool)
+    new_gram[1:] = keys[1:] != keys[:-1]
+    gram = new_gram.cumsum(0) - 1
+    least = torch.full((int(gram[-1]) + 1,), int(back.max()), dtype=back.dtype, device=back.device)
+    least.scatter_reduce_(0, gram, back, reduce="amin")
+    return least[gram]
 
 
 def grams_of(table: Successors) -> Grams:
@@ -361,6 +388,7 @@ class CopySpans:
     succ: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+    back: torch.Tensor | None = None
 
     @property
     def has(self) -> torch.Tensor:
@@ -368,7 +396,17 @@ class CopySpans:
         return self.hi > self.lo
 
     def __getitem__(self, index: Any) -> CopySpans:
-        return CopySpans(self.succ, self.lo[index], self.hi[index])
+        return CopySpans(self.succ, self.lo[index], self.hi[index], self.back)
+
+    def nearest(self) -> torch.Tensor:
+        """``(...)`` long: how many tokens before the context's end the most recent successor of each
+        position's matched suffix stands (:attr:`Successors.back`; 0 where no suffix occurs)."""
+        if self.back is None:
+            raise ValueError("these copy spans carry no distances: build them from context_successors")
+        if self.back.numel() == 0:
+            return torch.zeros_like(self.lo)
+        near = self.back[self.lo.clamp_max(self.back.numel() - 1)]
+        return torch.where(self.has, near, torch.zeros_like(near))
 
     def _votes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each vote's position (flat index into ``lo.reshape(-1)``) and token: ``(E,)``, ``(E,)``."""
@@ -433,7 +471,8 @@ def copy_spans(
             base = table.start[row][k - 1]
             lo[row] = torch.where(hit, left + base, lo[row])
             hi[row] = torch.where(hit, right + base, hi[row])
-    return CopySpans(table.succ.to(dec_ids.device), lo, hi)
+    back = None if table.back is None else table.back.to(dec_ids.device)
+    return CopySpans(table.succ.to(dec_ids.device), lo, hi, back)
 
 
 def copy_probs_ref(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
@@ -461,6 +500,18 @@ def copy_agreement_feature(s: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
     no suffix occurs (``has`` False: there the copy takes no part)."""
     f = s.float().clamp_min(1e-30).log().clamp_min(PROB_FLOOR) / 8.0
     return torch.where(has, f, torch.zeros_like(f))
+
+
+NEAR_UNIT = 64  # context tokens: the recency input is log(1 + d / NEAR_UNIT) / 4
+
+
+def copy_recency_feature(spans: CopySpans) -> torch.Tensor:
+    """The copy head's recency input ``(...)`` in fp32 (``CepeConfig.mix_copy_near``): ``log(1 + d / 64)
+    / 4`` for ``d`` the distance from the context's end to the most recent successor of the matched
+    suffix (:meth:`CopySpans.nearest`: 0.004 for the last token, 0.40 at 256, 1.04 at 4K, 1.19 at 8K),
+    0 where no suffix occurs."""
+    d = spans.nearest().float()
+    return torch.where(spans.has, torch.log1p(d / NEAR_UNIT) / 4, torch.zeros_like(d))
 
 
 def copy_mix_logits(

@@ -34,6 +34,7 @@ from .mixture import (
     copy_agreement_feature,
     copy_mix_logits,
     copy_mix_nll,
+    copy_recency_feature,
     head_inputs,
     mix_head,
     mix_logit,
@@ -123,6 +124,7 @@ class CepeForCausalLM(nn.Module):
             c.mix_length,
             c.mix_agree,
             c.mix_copy_prob,
+            c.mix_copy_near,
         )
         with torch.no_grad():
             head.bias.fill_(COPY_BIAS)
@@ -380,34 +382,38 @@ class CepeForCausalLM(nn.Module):
             new = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree)
             self.mix_head = widen_head(self.mix_head, old, new)
             if self.copy_head is not None:
-                p = c.mix_copy_prob
-                old_copy = head_inputs(d, match, hidden, c.mix_length, c.mix_agree, p)
-                new_copy = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree, p)
+                own = (c.mix_copy_prob, c.mix_copy_near)
+                old_copy = head_inputs(d, match, hidden, c.mix_length, c.mix_agree, *own)
+                new_copy = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree, *own)
                 self.copy_head = widen_head(self.copy_head, old_copy, new_copy)
         c.output_mix, c.mix_match, c.mix_hidden = True, match, hidden
         c.mix_length = c.mix_length or length
         c.mix_agree = c.mix_agree or agree
 
-    def enable_output_copy(self, prob: bool = False) -> None:
+    def enable_output_copy(self, prob: bool = False, near: bool = False) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
         0.018 wherever a suffix occurs, so this changes the function there until the head trains), with
-        ``prob`` its input of the mixture's probability of the copy's tokens (``mix_copy_prob``); a copy
-        head trained without that input gets it with a zero weight (its function unchanged). Idempotent;
-        raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
+        ``prob`` its input of the mixture's probability of the copy's tokens (``mix_copy_prob``) and
+        ``near`` its input of how far back the copied suffix last occurs (``mix_copy_near``); a copy head
+        trained without those inputs gets them with zero weights (its function unchanged). Idempotent (it
+        never removes an input); raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
         c = self.cepe_config
         if self.mix_head is None or c.mix_match < 1:
             raise ValueError(
                 "mix_copy needs the output mixture with suffix-match inputs: enable_output_mix first"
             )
         if self.copy_head is None:
-            c.mix_copy_prob = prob
+            c.mix_copy_prob, c.mix_copy_near = prob, near
             self.copy_head = self._new_copy_head()
-        elif prob and not c.mix_copy_prob:
+        elif (prob and not c.mix_copy_prob) or (near and not c.mix_copy_near):
             d = int(self.decoder.config.hidden_size)
             args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
-            self.copy_head = widen_head(self.copy_head, head_inputs(*args), head_inputs(*args, prob=True))
-            c.mix_copy_prob = True
+            old = head_inputs(*args, c.mix_copy_prob, c.mix_copy_near)
+            c.mix_copy_prob, c.mix_copy_near = c.mix_copy_prob or prob, c.mix_copy_near or near
+            self.copy_head = widen_head(
+                self.copy_head, old, head_inputs(*args, c.mix_copy_prob, c.mix_copy_near)
+            )
         c.mix_copy = True
 
     def disable_output_mix(self) -> None:
@@ -424,6 +430,7 @@ class CepeForCausalLM(nn.Module):
             "mix_agree",
             "mix_copy",
             "mix_copy_prob",
+            "mix_copy_near",
         )
         for name in names:
             setattr(self.cepe_config, name, defaults[name].default)
@@ -756,8 +763,8 @@ class CepeForCausalLM(nn.Module):
             mixed = self._mixture_logits(hc, hd, m)  # (N, V)
             nll = F.cross_entropy(mixed, y, reduction="none")  # (N,)
             if cp is not None:  # the copy's probability of each target, no (N, V) copy distributions
-                p = self._copy_prob_input(mixed, cp)
-                nll = copy_mix_nll(nll, self.copy_logit(hc, hd, m, p), cp.target_probs(y), cp.has)
+                c = self.copy_logit(hc, hd, m, cp, self._copy_expectation(mixed, cp))
+                nll = copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
             loss = nll.sum() / sel.sum().clamp_min(1)
         logits = None
         if labels is None or return_logits is None or return_logits:
@@ -789,16 +796,17 @@ class CepeForCausalLM(nn.Module):
             )
         if copy is None:
             return logits
-        c = self.copy_logit(h_ctx, h_dec, match, self._copy_prob_input(logits, copy))
+        c = self.copy_logit(h_ctx, h_dec, match, copy, self._copy_expectation(logits, copy))
         return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
 
-    def _copy_prob_input(self, logits: torch.Tensor, copy: CopySpans) -> torch.Tensor | None:
-        """The copy head's ``mix_copy_prob`` input ``(...)`` from the mixture's logits ``(..., V)`` without
-        the copy (no gradient flows through it), or None when the head does not take it."""
+    def _copy_expectation(self, logits: torch.Tensor, copy: CopySpans) -> torch.Tensor | None:
+        """``Σ_y p_copy(y)·p_mixture(y)`` ``(...)`` from the mixture's logits ``(..., V)`` without the copy
+        (no gradient flows through it) for the ``mix_copy_prob`` input, or None when the head does not
+        take it."""
         if not self.cepe_config.mix_copy_prob:
             return None
         with torch.no_grad():
-            return copy_agreement_feature(copy.expected(logits.float().log_softmax(-1)), copy.has)
+            return copy.expected(logits.float().log_softmax(-1))
 
     def _mixture_logits(
         self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None
@@ -811,21 +819,31 @@ class CepeForCausalLM(nn.Module):
         h_ctx: torch.Tensor,
         h_dec: torch.Tensor,
         match: torch.Tensor | None = None,
-        prob: torch.Tensor | None = None,
+        copy: CopySpans | None = None,
+        expect: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The copy logit ``(...)`` (μ = σ(c) where a suffix occurs) of the copy head
-        (``CepeConfig.mix_copy``), over the mixing head's inputs and, with ``mix_copy_prob``, ``prob``
-        ``(...)`` (:func:`cepe.mixture.copy_agreement_feature`; required exactly then)."""
+        (``CepeConfig.mix_copy``), over the mixing head's inputs and the copy head's own: with
+        ``mix_copy_prob`` from ``expect`` ``(...)``, the mixture's probability of a draw from the copy
+        (:func:`cepe.mixture.copy_agreement_feature`), with ``mix_copy_near`` from the copy spans ``copy``
+        ``(...)`` (:func:`cepe.mixture.copy_recency_feature`); each required exactly when the head takes
+        it."""
+        c = self.cepe_config
         if self.copy_head is None:
             raise ValueError("this adapter has no copy head (mix_copy): enable_output_copy first")
-        if (prob is None) == self.cepe_config.mix_copy_prob:
-            raise ValueError(
-                f"this copy head {'takes' if self.cepe_config.mix_copy_prob else 'does not take'} the "
-                "mixture's probability of the copy's tokens (mix_copy_prob): give prob exactly when it does"
-            )
-        if prob is not None:
-            match = torch.cat([match, prob[..., None].to(match.dtype)], dim=-1)
-        return mix_logit(self.copy_head, h_ctx, h_dec, match, self.cepe_config.mix_hidden)
+        own = []
+        if c.mix_copy_prob or c.mix_copy_near:
+            if copy is None or (c.mix_copy_prob and expect is None):
+                raise ValueError(
+                    "this copy head takes inputs of its own (mix_copy_prob, mix_copy_near): give the copy "
+                    "spans and, with mix_copy_prob, the mixture's expectation of the copy"
+                )
+            if c.mix_copy_prob:
+                own.append(copy_agreement_feature(expect, copy.has))
+            if c.mix_copy_near:
+                own.append(copy_recency_feature(copy))
+            match = torch.cat([match, torch.stack(own, dim=-1).to(match.dtype)], dim=-1)
+        return mix_logit(self.copy_head, h_ctx, h_dec, match, c.mix_hidden)
 
     def mix_logit(
         self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None = None

@@ -113,13 +113,18 @@ def test_copy_mix_logits_agree_with_the_reference(spread):
 
 
 def _copying(
-    hidden: bool = False, length: bool = False, agree: bool = False, seed: int = 5, prob: bool = False
+    hidden: bool = False,
+    length: bool = False,
+    agree: bool = False,
+    seed: int = 5,
+    prob: bool = False,
+    near: bool = False,
 ) -> CepeForCausalLM:
-    """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``: with
-    the mixture's probability of the copy's tokens as one more input)."""
+    """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``,
+    ``near``: with the copy head's own inputs)."""
     model = _matched(hidden)
     model.enable_output_mix(3, hidden, length=length, agree=agree)
-    model.enable_output_copy(prob)
+    model.enable_output_copy(prob, near)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.copy_head.weight.copy_(torch.randn(model.copy_head.weight.shape, generator=g))
@@ -128,13 +133,21 @@ def _copying(
 
 
 @pytest.mark.parametrize(
-    "hidden,agree,prob", [(False, False, False), (True, True, False), (False, True, True)]
+    "hidden,agree,prob,near",
+    [
+        (False, False, False, False),
+        (True, True, False, False),
+        (False, True, True, False),
+        (False, True, True, True),
+    ],
 )
-def test_the_model_mixes_in_the_copy(hidden, agree, prob):
+def test_the_model_mixes_in_the_copy(hidden, agree, prob, near):
     """Logits = the reference mixture, then the reference copy of each example's real context tokens
-    mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` and the
-    mixture's probability of a draw from the copy, floored log / 8); the loss is their cross-entropy."""
-    model = _copying(hidden, agree=agree, prob=prob)
+    mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` the
+    mixture's probability of a draw from the copy, floored log / 8; with ``mix_copy_near`` log(1 + d / 64)
+    / 4 of the matched suffix's most recent distance, by the scanning reference); the loss is their
+    cross-entropy."""
+    model = _copying(hidden, agree=agree, prob=prob, near=near)
     ids, enc_ids, enc_mask = _padded_case()
     ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
@@ -153,6 +166,13 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob):
         f = torch.where(has, s.log().clamp_min(-16.0) / 8, torch.zeros_like(s))
         assert (f[has] < -0.05).any()  # the input is not trivially zero
         x = torch.cat([x, f[..., None].to(x.dtype)], dim=-1)
+    if near:
+        d = torch.tensor(
+            [_nearest_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
+        ).float()
+        assert (d[has] > 1).any() and not d[~has].any()
+        r = torch.where(has, torch.log1p(d / 64) / 4, torch.zeros_like(d))
+        x = torch.cat([x, r[..., None].to(x.dtype)], dim=-1)
     c = mix_logit(model.copy_head, h_ctx, h_dec, x, hidden)
     want = copy_mix_logits_ref(mixed, c, copy, has)
     torch.testing.assert_close(out.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
@@ -166,12 +186,47 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob):
     assert (off - out).abs().max() > 1e-2  # the copy moved the distribution
 
 
-@pytest.mark.parametrize("prob", [False, True])
-def test_the_training_loss_agrees_with_the_reference_path(prob):
+def _nearest_ref(ids: list[int], ctx: list[int], order: int) -> list[int]:
+    """How far before the end of ``ctx`` the last successor of each position's longest matched suffix
+    (at most ``order`` tokens) stands, by scanning (0 where none matches)."""
+    out = []
+    for j in range(len(ids)):
+        d = 0
+        for k in range(min(order, j + 1), 0, -1):
+            hits = [i for i in range(len(ctx) - k) if ctx[i : i + k] == ids[j - k + 1 : j + 1]]
+            if hits:
+                d = len(ctx) - (hits[-1] + k)
+                break
+        out.append(d)
+    return out
+
+
+def test_the_nearest_occurrence_agrees_with_a_scan():
+    """``CopySpans.nearest``: padded chunks read as one text of their real tokens, a tail, no match."""
+    g = torch.Generator().manual_seed(11)
+    for vocab in (3, 7):
+        ids = torch.randint(0, vocab, (3, 4, 6), generator=g)
+        mask = torch.rand(3, 4, 6, generator=g) > 0.3
+        mask[2] = False
+        dec = torch.randint(0, vocab, (3, 9), generator=g)
+        table = context_successors(ids, mask, 3)
+        got = copy_spans(dec, table).nearest()
+        for b in range(3):
+            assert got[b].tolist() == _nearest_ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 3)
+        part = copy_spans(dec[:, 5:], table, tail=dec[:, 3:5]).nearest()
+        assert torch.equal(part, got[:, 5:])
+    # a hand case: "1" last continues (to 2) 4 tokens before the end, "1 2" (to 4) 3 before it
+    ctx = torch.tensor([[1, 2, 3, 1, 2, 4, 2, 1]])
+    got = copy_spans(torch.tensor([[1, 2, 5]]), context_successors(ctx, None, 2))
+    assert got.nearest().tolist() == [[4, 3, 0]]
+
+
+@pytest.mark.parametrize("prob,near", [(False, False), (True, False), (True, True)])
+def test_the_training_loss_agrees_with_the_reference_path(prob, near):
     """The fast loss (each side's log-probability of the target, the copy's probability of it, with
     ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows) equals the
     cross-entropy of the mixed logits, and so do their gradients on both heads."""
-    model = _copying(agree=True, prob=prob)
+    model = _copying(agree=True, prob=prob, near=near)
     ids, enc_ids, enc_mask = _padded_case()
     labels = ids.clone()
     labels[0, :2] = -100
@@ -218,7 +273,7 @@ def test_the_chunked_copy_expectation_agrees_with_the_dense_one():
     torch.testing.assert_close(f, torch.tensor([0.0, math.log(1e-3) / 8, -2.0, 0.0]))
 
 
-def test_the_probability_input_starts_at_zero_weight():
+def test_the_copy_heads_own_inputs_start_at_zero_weight(tmp_path):
     """A copy head trained without ``mix_copy_prob`` keeps its function when the input is added (zero
     weight); the input then changes μ once it has a weight; saved and loaded back as such."""
     model = _copying(agree=True)
@@ -233,11 +288,23 @@ def test_the_probability_input_starts_at_zero_weight():
         model.enable_output_copy(prob=True)  # idempotent
         model.enable_output_copy()  # never narrows a head
         assert model.copy_head.weight.shape == (1, 7)
-        model.copy_head.weight[0, -1] = 3.0
+        model.enable_output_copy(near=True)  # the recency input after it, zero too
+        assert model.cepe_config.mix_copy_near and model.copy_head.weight.shape == (1, 8)
+        torch.testing.assert_close(model(ids, **kw).logits, before, rtol=0, atol=0)
+        model.copy_head.weight[0, -2] = 3.0
         after = model(ids, **kw).logits
         assert (after - before).abs().max() > 1e-3
+        model.copy_head.weight[0, -1] = -3.0
+        assert (model(ids, **kw).logits - after).abs().max() > 1e-3
     with pytest.raises(ValueError, match="mix_copy_prob is an input of the copy"):
         CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_prob": True})
+    with pytest.raises(ValueError, match="mix_copy_near is an input of the copy"):
+        CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_near": True})
+    model.save_pretrained(tmp_path / "own")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "own", decoder=tiny_decoder())
+    assert back.cepe_config.mix_copy_prob and back.cepe_config.mix_copy_near
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, **kw).logits, model(ids, **kw).logits, rtol=0, atol=0)
 
 
 def test_greedy_generation_copies_a_span_the_decoder_does_not_continue():
@@ -272,13 +339,13 @@ def test_invariants_no_context_and_no_match_are_the_mixture():
 def test_incremental_calls_continue_the_copy(mode):
     check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
     check_incremental_calls(
-        _copying(agree=True, prob=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3)
+        _copying(agree=True, prob=True, near=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3)
     )
 
 
 def test_beam_search_with_the_copy():
     check_beam_scores(_copying(hidden=True))
-    check_beam_scores(_copying(prob=True))
+    check_beam_scores(_copying(prob=True, near=True))
 
 
 def test_save_load_enable_and_errors(tmp_path):

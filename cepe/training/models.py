@@ -146,7 +146,9 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 bool(cfg.cepe.get("mix_agree", False)),
             )
         if cfg.cepe.get("mix_copy"):  # the copy after the longest matched suffix, and its head
-            model.enable_output_copy(bool(cfg.cepe.get("mix_copy_prob", False)))
+            model.enable_output_copy(
+                bool(cfg.cepe.get("mix_copy_prob", False)), bool(cfg.cepe.get("mix_copy_near", False))
+            )
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:

@@ -189,7 +189,7 @@ def mixture_token_nll(
     (and the suffix-match inputs ``(B, T, K)`` with ``mix_match``, where each position's copy lies
     ``(B, T)`` with ``mix_copy``): each side's log-probability of the target alone (fast), or the mixed
     logits (reference; also for soft-capped heads)."""
-    from cepe.mixture import copy_agreement_feature, copy_mix_nll, mix_nll
+    from cepe.mixture import copy_mix_nll, mix_nll
 
     shift = labels[:, 1:]
     sel = shift != -100
@@ -208,12 +208,11 @@ def mixture_token_nll(
     nll = mix_nll(logp_ctx, logp_dec, a)
     if cp is None:
         return nll
-    prob = None
+    expect = None
     if model.cepe_config.mix_copy_prob:
         with torch.autocast(dev, enabled=False):
-            s = chunked_copy_expectation(h, h_dec, a, w, cp)
-        prob = copy_agreement_feature(s, cp.has)
-    return copy_mix_nll(nll, model.copy_logit(h, h_dec, m, prob), cp.target_probs(y), cp.has)
+            expect = chunked_copy_expectation(h, h_dec, a, w, cp)
+    return copy_mix_nll(nll, model.copy_logit(h, h_dec, m, cp, expect), cp.target_probs(y), cp.has)
 
 
 @torch.no_grad()
