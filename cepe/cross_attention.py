@@ -62,6 +62,8 @@ class CrossContext:
         reads, base: in a context made by :meth:`with_decoder_rows`, the number of leading rows that read
             and the context of those rows alone: cross-attention runs over ``base`` for them and gives the
             other rows exactly zero, so the rows that read nothing cost nothing (None otherwise).
+        rows: the decoder rows of such a context (``2 × reads``; its tensors are ``base``'s, ``reads``
+            rows: nothing is stored for the rows that read nothing); None otherwise (the rows are Φ's).
     """
 
     states: torch.Tensor
@@ -91,10 +93,12 @@ class CrossContext:
     successors: Successors | None = field(default=None, repr=False, compare=False)
     reads: int | None = None
     base: CrossContext | None = field(default=None, repr=False, compare=False)
+    rows: int | None = None
 
     @property
     def batch_size(self) -> int:
-        return self.states.shape[0]
+        """Decoder rows this context serves."""
+        return self.rows if self.rows is not None else self.states.shape[0]
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Follow a reordering of the decoder's rows (beam search): each layer's :attr:`read_state` row i
@@ -167,34 +171,30 @@ class CrossContext:
 
     def with_decoder_rows(self) -> CrossContext:
         """This context for a decoder batch of ``2B`` rows whose last ``B`` rows read nothing (the output
-        mixture runs the decoder with and without the context in one batch): Φ, masks and scales get
-        ``B`` empty rows, whose cross-attention output is exactly zero. Made once per context."""
+        mixture runs the decoder with and without the context in one batch): cross-attention runs over
+        this context for the first ``B`` rows and gives the others exactly zero; nothing is copied (its
+        tensors are this context's). Made once per context."""
+        if self.base is not None:
+            raise ValueError("this context is already doubled for the output mixture")
         if self.doubled is None:
-            b, dev = self.batch_size, self.states.device
-            has = torch.ones((b, 1, 1), dtype=self.states.dtype, device=dev)
-            if self.has_context is not None:
-                has = self.has_context
-            mask = None
-            if self.key_mask is not None:
-                mask = torch.cat([self.key_mask, torch.ones_like(self.key_mask)])
+            b = self.batch_size
             self.doubled = CrossContext(
-                torch.cat([self.states, torch.zeros_like(self.states)]),
-                mask,
+                self.states,
+                self.key_mask,
                 self.mode,
                 self.impl,
-                None if self.q_scale is None else torch.cat([self.q_scale, torch.ones_like(self.q_scale)]),
-                torch.cat([has, torch.zeros_like(has)]),
+                self.q_scale,
+                self.has_context,
                 out_scale=self.out_scale,
-                log_n=None if self.log_n is None else torch.cat([self.log_n, torch.zeros_like(self.log_n)]),
-                match_ids=None
-                if self.match_ids is None
-                else torch.cat([self.match_ids, torch.full_like(self.match_ids, -1)]),
+                log_n=self.log_n,
+                match_ids=self.match_ids,
                 match_order=self.match_order,
                 match_length=self.match_length,
                 match_agree=self.match_agree,
                 match_copy=self.match_copy,
                 reads=b,
                 base=self,
+                rows=2 * b,
             )
         return self.doubled
 
@@ -207,6 +207,8 @@ class CrossContext:
                 f"decoder batch {batch} is not a multiple of the context batch {self.batch_size}"
             )
         r = batch // self.batch_size
+        if self.base is not None:  # doubled: the reading rows' context repeated, doubled again
+            return self.base.expand(self.base.batch_size * r).with_decoder_rows()
 
         def rep(t):
             return None if t is None else t.repeat_interleave(r, dim=0)
@@ -225,8 +227,6 @@ class CrossContext:
             match_length=self.match_length,
             match_agree=self.match_agree,
             match_copy=self.match_copy,
-            reads=None if self.reads is None else self.reads * r,
-            base=None if self.base is None else self.base.expand(self.base.batch_size * r),
         )
 
 

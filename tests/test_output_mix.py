@@ -265,6 +265,21 @@ def test_beam_search_reorders_the_suffix_tails():
     assert torch.equal(ctx.mix_tail[0], torch.tensor([[3, 4], [3, 4]])) and ctx.mix_tail[1] == 7
 
 
+def test_the_doubled_context_copies_nothing():
+    """``with_decoder_rows``: 2B decoder rows over the same tensors (nothing stored for the rows that read
+    nothing), made once; repeated for beams it is the repeated context doubled; it cannot double twice."""
+    states, mask = torch.randn(2, 5, 3), torch.rand(2, 5) > 0.3
+    ctx = CrossContext(states, mask, match_ids=torch.zeros(2, 5, dtype=torch.long), match_order=2)
+    doubled = ctx.with_decoder_rows()
+    assert doubled is ctx.with_decoder_rows() and doubled.batch_size == 4 and doubled.reads == 2
+    assert doubled.states is states and doubled.key_mask is mask and doubled.base is ctx
+    beams = doubled.expand(12)  # 3 beams: 6 rows read, 6 do not
+    assert beams.batch_size == 12 and beams.reads == 6 and beams.base.batch_size == 6
+    assert torch.equal(beams.states, states.repeat_interleave(3, dim=0))
+    with pytest.raises(ValueError, match="already doubled"):
+        doubled.with_decoder_rows()
+
+
 def test_suffix_matches_need_token_ids_and_a_matching_head(tmp_path):
     model = _matched()
     with pytest.raises(ValueError, match="need the context's token ids"):
