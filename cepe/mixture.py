@@ -54,27 +54,13 @@ def head_inputs(
     return names + (["p"] if prob else []) + (["r"] if near else [])
 
 
-def mix_head(
-    hidden_size: int,
-    like: torch.Tensor,
-    match: int = 0,
-    hidden: bool = True,
-    length: bool = False,
-    agree: bool = False,
-    prob: bool = False,
-    near: bool = False,
-) -> nn.Linear:
-    """The mixing head ``Linear(F, 1)``, its inputs :func:`head_inputs` (``2·D`` hidden states when
-    ``hidden``, ``match`` = K suffix-match indicators, one more for the context's length with ``length``,
-    K successor agreements with ``agree``, one more each for the copy head with ``prob`` and ``near``),
-    all zero (λ = ½ everywhere until it trains), on ``like``'s device, in fp32."""
-    head = nn.Linear(
-        len(head_inputs(hidden_size, match, hidden, length, agree, prob, near)),
-        1,
-        bias=True,
-        device=like.device,
-        dtype=torch.float32,
-    )
+def mix_head(inputs: list[str], like: torch.Tensor) -> nn.Linear:
+    """A mixing (or copy) head ``Linear(F, 1)`` over the ``F`` inputs named by :func:`head_inputs`
+    (``2·D`` hidden states when ``hidden``, ``match`` = K suffix-match indicators, one more for the
+    context's length with ``length``, K successor agreements with ``agree``, one more each for the copy
+    head with ``prob`` and ``near``), all zero (λ = ½ everywhere until it trains), on ``like``'s device, in
+    fp32."""
+    head = nn.Linear(len(inputs), 1, bias=True, device=like.device, dtype=torch.float32)
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()

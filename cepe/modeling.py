@@ -100,14 +100,11 @@ class CepeForCausalLM(nn.Module):
         )
         self.mix_head = None
         if cepe_config.output_mix:
-            self.mix_head = mix_head(
-                int(decoder.config.hidden_size),
-                p,
-                cepe_config.mix_match,
-                cepe_config.mix_hidden,
-                cepe_config.mix_length,
-                cepe_config.mix_agree,
+            c = cepe_config
+            names = head_inputs(
+                int(decoder.config.hidden_size), c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree
             )
+            self.mix_head = mix_head(names, p)
         self.copy_head = None
         if cepe_config.mix_copy:
             self.copy_head = self._new_copy_head()
@@ -116,16 +113,11 @@ class CepeForCausalLM(nn.Module):
         """The copy head (``CepeConfig.mix_copy``) over the mixing head's inputs: zero weights, bias
         :data:`cepe.mixture.COPY_BIAS`."""
         c = self.cepe_config
-        head = mix_head(
-            int(self.decoder.config.hidden_size),
-            next(self.decoder.parameters()),
-            c.mix_match,
-            c.mix_hidden,
-            c.mix_length,
-            c.mix_agree,
-            c.mix_copy_prob,
-            c.mix_copy_near,
+        d = int(self.decoder.config.hidden_size)
+        names = head_inputs(
+            d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, c.mix_copy_prob, c.mix_copy_near
         )
+        head = mix_head(names, next(self.decoder.parameters()))
         with torch.no_grad():
             head.bias.fill_(COPY_BIAS)
         return head
@@ -376,7 +368,7 @@ class CepeForCausalLM(nn.Module):
         d = int(self.decoder.config.hidden_size)
         if self.mix_head is None:
             like = next(self.decoder.parameters())
-            self.mix_head = mix_head(d, like, match, hidden, length, agree)
+            self.mix_head = mix_head(head_inputs(d, match, hidden, length, agree), like)
         elif (length and not c.mix_length) or (agree and not c.mix_agree):  # more inputs, zero weights
             old = head_inputs(d, match, hidden, c.mix_length, c.mix_agree)
             new = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree)

@@ -90,7 +90,7 @@ def test_cepe_info_describes_the_model(adapter, capsys):
     # an adapter with the output mixture and its copy says what it mixes
     mixed = copy.deepcopy(model)
     mixed.enable_output_mix(3, hidden=False, agree=True)
-    mixed.enable_output_copy()
+    mixed.enable_output_copy(near=True)
     mixed.save_pretrained(path.parent / "mixed")
     assert main(["info", "--model", str(path.parent / "mixed")]) == 0
     mix = json.loads(capsys.readouterr().out)["output_mixture"]
@@ -100,6 +100,8 @@ def test_cepe_info_describes_the_model(adapter, capsys):
         "context_length_input": False,
         "successor_agreements": True,
         "copy": True,
+        "copy_probability_input": False,
+        "copy_recency_input": True,
         "decoder_passes_per_call": 2,
     }
 

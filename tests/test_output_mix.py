@@ -431,7 +431,7 @@ def test_adding_the_agreement_inputs_keeps_the_function(tmp_path):
 
 
 def test_widen_head_needs_every_old_input():
-    old = mix_head(4, torch.zeros(1), 2, hidden=False, length=True)
+    old = mix_head(head_inputs(4, 2, hidden=False, length=True), torch.zeros(1))
     with pytest.raises(ValueError, match=r"lacks \['n'\]"):
         widen_head(old, head_inputs(4, 2, False, True), head_inputs(4, 2, False, False, True))
 
