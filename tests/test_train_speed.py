@@ -185,6 +185,12 @@ def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
         {"cepe.output_mix": "true", "train_only": "[mix_head]"},
         {"cepe.output_mix": "true", "cepe.mix_match": "3"},
         {"cepe.output_mix": "true", "cepe.mix_match": "3", "cepe.mix_copy": "true"},
+        {
+            "cepe.output_mix": "true",
+            "cepe.mix_match": "3",
+            "cepe.mix_copy": "true",
+            "cepe.mix_copy_prob": "true",
+        },
     ],
 )
 def test_cost_model_counts_what_the_step_multiplies(tmp_path, extra):

@@ -373,6 +373,8 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         copying = 2 * (n - 1) * copy_head.weight.shape[1]
         fwd_lin += copying
         bwd_lin += copying * (int(copy_head.weight.requires_grad) + int(stream_grad))
+        if getattr(model.cepe_config, "mix_copy_prob", False):  # both sides' logits again (at most)
+            fwd_lin += 2 * head
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
         share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
