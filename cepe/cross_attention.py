@@ -56,14 +56,15 @@ class CrossContext:
         match_length: the head's length input follows the K indicators (``CepeConfig.mix_length``).
         match_agree: the K successor agreements follow those (``CepeConfig.mix_agree``).
         match_copy: the output mixture copies after the longest matched suffix (``CepeConfig.mix_copy``).
+        match_near: its copy head reads how far back each match lies (``CepeConfig.mix_copy_near``).
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
         reads, base: in a context made by :meth:`with_decoder_rows`, the number of leading rows that read
             and the context of those rows alone: cross-attention runs over ``base`` for them and gives the
-            other rows exactly zero, so the rows that read nothing cost nothing (None otherwise).
-        rows: the decoder rows of such a context (``2 × reads``; its tensors are ``base``'s, ``reads``
-            rows: nothing is stored for the rows that read nothing); None otherwise (the rows are Φ's).
+            other rows exactly zero, so the rows that read nothing cost nothing (None otherwise). Such a
+            context serves ``2 × reads`` decoder rows over ``base``'s tensors (nothing is stored for the
+            rows that read nothing).
     """
 
     states: torch.Tensor
@@ -86,6 +87,7 @@ class CrossContext:
     match_length: bool = False
     match_agree: bool = False
     match_copy: bool = False
+    match_near: bool = False
     mix_tail: tuple[torch.Tensor, int] | None = None
     grams: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
         default=None, repr=False, compare=False
@@ -93,12 +95,11 @@ class CrossContext:
     successors: Successors | None = field(default=None, repr=False, compare=False)
     reads: int | None = None
     base: CrossContext | None = field(default=None, repr=False, compare=False)
-    rows: int | None = None
 
     @property
     def batch_size(self) -> int:
         """Decoder rows this context serves."""
-        return self.rows if self.rows is not None else self.states.shape[0]
+        return 2 * self.reads if self.base is not None else self.states.shape[0]
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Follow a reordering of the decoder's rows (beam search): each layer's :attr:`read_state` row i
@@ -142,7 +143,7 @@ class CrossContext:
         n, k = input_ids.shape[0], self.match_order
         if self.successors is None or len(self.successors.keys) < n:  # one table: grams and copies
             ids = self.match_ids[:n]
-            self.successors = context_successors(ids, ids >= 0, k)
+            self.successors = context_successors(ids, ids >= 0, k, recency=self.match_near)
             self.grams = grams_of(self.successors)
         tail = None
         if (
@@ -192,9 +193,9 @@ class CrossContext:
                 match_length=self.match_length,
                 match_agree=self.match_agree,
                 match_copy=self.match_copy,
+                match_near=self.match_near,
                 reads=b,
                 base=self,
-                rows=2 * b,
             )
         return self.doubled
 
@@ -227,6 +228,7 @@ class CrossContext:
             match_length=self.match_length,
             match_agree=self.match_agree,
             match_copy=self.match_copy,
+            match_near=self.match_near,
         )
 
 

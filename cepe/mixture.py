@@ -177,7 +177,7 @@ class Successors:
         succ: ``(M,)`` the successor tokens of every list, one after another.
         back: ``(M,)`` for each entry, how many tokens before the context's end its gram's most recent
             successor stands (1: the context's last token), the same for every occurrence of a gram;
-            None when not computed.
+            None when not asked for (``recency``).
     """
 
     keys: list[list[torch.Tensor]]
@@ -190,9 +190,12 @@ class Successors:
         return Successors(self.keys[:n], self.start[:n], self.succ, self.back)
 
 
-def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> Successors:
+def context_successors(
+    ids: torch.Tensor, mask: torch.Tensor | None, order: int, recency: bool = False
+) -> Successors:
     """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
-    ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``."""
+    ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``; with ``recency`` also
+    :attr:`Successors.back` (for ``CepeConfig.mix_copy_near``; a quarter more time)."""
     flat = ids.reshape(ids.shape[0], -1)
     keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
     keys, start, parts, backs, at = [], [], [], [], 0
@@ -208,12 +211,13 @@ def context_successors(ids: torch.Tensor, mask: torch.Tensor | None, order: int)
             per_k.append(keys_k)
             begin.append(at)
             parts.append(nxt[by])
-            backs.append(_most_recent(keys_k, row.numel() - k - by))
+            if recency:
+                backs.append(_most_recent(keys_k, row.numel() - k - by))
             at += h.numel()
         keys.append(per_k)
         start.append(begin)
     succ = torch.cat(parts) if parts else flat.new_zeros(0)
-    back = torch.cat(backs) if backs else flat.new_zeros(0)
+    back = (torch.cat(backs) if backs else flat.new_zeros(0)) if recency else None
     return Successors(keys, start, succ, back)
 
 
@@ -388,7 +392,9 @@ class CopySpans:
         """``(...)`` long: how many tokens before the context's end the most recent successor of each
         position's matched suffix stands (:attr:`Successors.back`; 0 where no suffix occurs)."""
         if self.back is None:
-            raise ValueError("these copy spans carry no distances: build them from context_successors")
+            raise ValueError(
+                "these copy spans carry no distances: build their table with context_successors(..., recency=True)"
+            )
         if self.back.numel() == 0:
             return torch.zeros_like(self.lo)
         near = self.back[self.lo.clamp_max(self.back.numel() - 1)]

@@ -629,6 +629,7 @@ class CepeForCausalLM(nn.Module):
             match_length=bool(order) and self.cepe_config.mix_length,
             match_agree=bool(order) and self.cepe_config.mix_agree,
             match_copy=bool(order) and self.cepe_config.mix_copy,
+            match_near=bool(order) and self.cepe_config.mix_copy_near,
         )
 
     @contextlib.contextmanager

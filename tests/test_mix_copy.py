@@ -209,7 +209,7 @@ def test_the_nearest_occurrence_agrees_with_a_scan():
         mask = torch.rand(3, 4, 6, generator=g) > 0.3
         mask[2] = False
         dec = torch.randint(0, vocab, (3, 9), generator=g)
-        table = context_successors(ids, mask, 3)
+        table = context_successors(ids, mask, 3, recency=True)
         got = copy_spans(dec, table).nearest()
         for b in range(3):
             assert got[b].tolist() == _nearest_ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 3)
@@ -217,8 +217,10 @@ def test_the_nearest_occurrence_agrees_with_a_scan():
         assert torch.equal(part, got[:, 5:])
     # a hand case: "1" last continues (to 2) 4 tokens before the end, "1 2" (to 4) 3 before it
     ctx = torch.tensor([[1, 2, 3, 1, 2, 4, 2, 1]])
-    got = copy_spans(torch.tensor([[1, 2, 5]]), context_successors(ctx, None, 2))
+    got = copy_spans(torch.tensor([[1, 2, 5]]), context_successors(ctx, None, 2, recency=True))
     assert got.nearest().tolist() == [[4, 3, 0]]
+    with pytest.raises(ValueError, match="recency=True"):
+        copy_spans(torch.tensor([[1, 2]]), context_successors(ctx, None, 2)).nearest()
 
 
 @pytest.mark.parametrize("prob,near", [(False, False), (True, False), (True, True)])
