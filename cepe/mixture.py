@@ -195,7 +195,7 @@ def context_successors(
 ) -> Successors:
     """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
     ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``; with ``recency`` also
-    :attr:`Successors.back` (for ``CepeConfig.mix_copy_near``; a quarter more time)."""
+    :attr:`Successors.back` (for ``CepeConfig.mix_copy_near``; about a third more time)."""
     flat = ids.reshape(ids.shape[0], -1)
     keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
     keys, start, parts, backs, at = [], [], [], [], 0
