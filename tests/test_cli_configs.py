@@ -22,12 +22,14 @@ from cepe.eval.config import EvalRunConfig
 from cepe.main_job import MainConfig, run_main
 from cepe.serve_config import AskConfig, ContextAddConfig, ServeConfig, ServeLimits, StoreConfig
 from cepe.training.config import TrainConfig
+from cepe.training.head_fit import HeadFitConfig
 
 # sub-command -> (its config dataclass, fields that are not flags)
 COMMANDS = {
     ("train",): (TrainConfig, {"stage"}),
     ("pretrain-encoder",): (TrainConfig, {"stage"}),
     ("teacher",): (TrainConfig, {"stage"}),
+    ("fit-heads",): (HeadFitConfig, set()),
     ("bench",): (BenchConfig, set()),
     ("bench-store",): (StoreBenchConfig, set()),
     ("eval",): (EvalRunConfig, set()),

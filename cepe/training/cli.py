@@ -1,4 +1,5 @@
-"""``cepe pretrain-encoder``, ``cepe train`` and ``cepe teacher`` (see :mod:`cepe.training.trainer`).
+"""``cepe pretrain-encoder``, ``cepe train``, ``cepe teacher`` (see :mod:`cepe.training.trainer`) and ``cepe
+fit-heads`` (:mod:`cepe.training.head_fit`).
 
 All take ``--config FILE`` (YAML or JSON) plus ``--set key.sub=value`` overrides; several processes:
 ``accelerate launch [--num_processes N] -m cepe.training.cli train --stage cepe --config FILE``.
@@ -103,6 +104,15 @@ def _teacher(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_heads(args: argparse.Namespace) -> int:
+    from cepe.configio import config_from_args
+
+    from .head_fit import HeadFitConfig, print_summary, run_head_fit
+
+    print_summary(run_head_fit(config_from_args(HeadFitConfig, args, "fit-heads config")))
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     """``--config FILE``, ``--set KEY=VALUE`` and one flag per :class:`TrainConfig` field (``--steps``,
     ``--output-dir``, ``--no-progress``, ``--optim.lr``, ``--data.corpus``, ...) but ``stage``."""
@@ -133,7 +143,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``pretrain-encoder``, ``train`` and ``teacher``."""
+    """Add ``pretrain-encoder``, ``train``, ``teacher`` and ``fit-heads``."""
     p = subparsers.add_parser(
         "pretrain-encoder",
         help="masked-LM pre-training of the context encoder (stage 1)",
@@ -177,6 +187,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     p.add_argument("--num-examples", type=int, default=None, help="default: steps × batch_size")
     p.set_defaults(func=_teacher)
+
+    from cepe.configio import add_config_flags
+
+    from .head_fit import HeadFitConfig
+
+    p = subparsers.add_parser(
+        "fit-heads",
+        help="fit the output mixture's heads in full batch on a recipe's recorded per-token statistics",
+        description="Record, over a frozen reader, what the output mixture's loss needs at every scored token "
+        "of a heads-only recipe's batches (its examples, layouts and dtype), then fit the mixing and copy "
+        "heads to convergence by L-BFGS; every n-th example is held out and scored, with other adapters' heads "
+        "on the same tokens (--compare). Writes OUTPUT_DIR/adapter, fit.json, fit.md, fit.png. Resumable.",
+    )
+    add_config_flags(
+        p, HeadFitConfig, config_file="fit-heads config (YAML or JSON); the flags below override it"
+    )
+    p.set_defaults(func=_fit_heads)
 
 
 def main(argv: list[str] | None = None) -> int:

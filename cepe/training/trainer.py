@@ -538,7 +538,7 @@ def _measure_peak(run: _Run, use_bf16: bool) -> float | None:
     return run.agree(peak_box)[0]
 
 
-def _example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[..., dict[str, torch.Tensor]]:
+def example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[..., dict[str, torch.Tensor]]:
     """Global example index → the stage's example (with the teacher's top-k for CEPED)."""
     vocab = int(inner.config.vocab_size) if cfg.stage != "mlm" else int(inner.encoder.config.vocab_size) - 1
     source = window_source(cfg, vocab)
@@ -606,7 +606,7 @@ def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
         f"{run.flops['total'] / 1e12:.3f} TFLOP per step by the cost model ({COST_MODEL})"
         + (f"; {run.compute_dtype} matmul peak {run.peak / 1e9:.0f} GFLOP/s" if run.peak else ""),
     )
-    run.make = _example_maker(cfg, run.inner)
+    run.make = example_maker(cfg, run.inner)
     if run.start == 0 and cfg.match_gate_calibrate:
         _calibrate_match_gate(run)
     run.recent = [(r["loss"], r.get("step_s", 0.0)) for r in read_log(out)][-10:]

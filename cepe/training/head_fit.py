@@ -1,0 +1,569 @@
+"""``cepe fit-heads``: the output mixture's heads fitted in full batch on recorded per-token statistics.
+
+A stage that trains only the mixing head and the copy head (``train_only: [mix_head, copy_head]``) over a
+frozen reader, with heads that read the suffix-match inputs and not the hidden states (``mix_hidden:
+false``), has a loss that depends on the heads through a handful of numbers per scored token: each side's
+log-probability of the target (with and without the context), the copy's probability of it, whether a
+suffix occurs, and the heads' inputs. Those do not change while the heads train, so they are recorded once
+(the recipe's own examples, layouts and compute dtype: the batches its first ``steps`` optimizer steps
+read) and the heads are fitted on them to convergence by L-BFGS, instead of by tens of noisy AdamW steps.
+
+Every ``held_out_every``-th example (by index) is held out of the fit and scored: the fitted heads, the
+heads the recipe starts from, and the heads of other adapters with the same inputs (``compare``) on the same
+tokens, by example kind. Outputs in ``output_dir``: ``stats/`` (the records, one file per step: a rerun
+skips the steps recorded), ``adapter/`` (the model with the fitted heads), ``fit.json``, ``fit.md`` and
+``fit.png`` (the objective by iteration).
+
+Shape legend: N scored tokens, F a head's inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TASK_KINDS, TrainConfig
+
+STATS_DIR = "stats"
+HEADS = ("mix_head", "copy_head")
+
+
+@dataclass
+class HeadFitConfig:
+    """``cepe fit-heads``: fit a mixture recipe's heads in full batch (:mod:`cepe.training.head_fit`).
+
+    Attributes:
+        recipe: the training stage config (YAML or JSON) whose heads are fitted: a ``cepe`` stage with
+            ``output_mix``, ``mix_hidden: false``, and ``train_only`` naming the heads alone.
+        output_dir: where the records, the adapter and the report go (default: the recipe's
+            ``output_dir`` + ``-fit``).
+        steps: record the batches of the recipe's first ``steps`` optimizer steps (default: all its steps).
+        held_out_every: every n-th example (index % n == 0) is held out of the fit and only scored (0: none).
+        max_iter: L-BFGS iterations at most.
+        l2: ridge penalty on the heads' weights in standardised units (half the sum of their squares times
+            this, added to the mean NLL; biases free): it keeps an input that barely varies (a context
+            length nearly the same in every example) from trading a huge weight against the bias.
+        compare: other adapters (directories) whose heads take the same inputs, scored on the same
+            held-out tokens (their heads alone: over this recipe's reader).
+        progress: show a progress bar while recording.
+    """
+
+    recipe: str
+    output_dir: str | None = None
+    steps: int | None = None
+    held_out_every: int = 5
+    max_iter: int = 300
+    l2: float = 1e-4
+    compare: list[str] = field(default_factory=list)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be at least 1 (or unset: all of the recipe's), got {self.steps}")
+        if self.held_out_every < 0 or self.held_out_every == 1:
+            raise ValueError(
+                f"held_out_every must be 0 (nothing held out) or at least 2, got {self.held_out_every}"
+            )
+        if self.l2 < 0:
+            raise ValueError(f"l2 must be at least 0, got {self.l2}")
+        if self.max_iter < 1:
+            raise ValueError(f"max_iter must be at least 1, got {self.max_iter}")
+
+
+@dataclass
+class TokenStats:
+    """Everything the mixture's loss needs at N scored tokens, over a frozen reader.
+
+    Attributes:
+        x_mix: ``(N, F)`` the mixing head's inputs, as the head sees them (in the compute dtype's rounding).
+        x_copy: ``(N, F')`` the copy head's inputs, or None without a copy head.
+        lp_ctx, lp_dec: ``(N,)`` the target's log-probability with and without the context.
+        p_copy: ``(N,)`` the copy's probability of the target (0 where no suffix occurs).
+        has: ``(N,)`` bool, a suffix occurs (the copy takes part).
+        task: ``(N,)`` long, the example's kind (index into ``TASK_KINDS``).
+        example: ``(N,)`` long, the example's global index.
+    """
+
+    x_mix: torch.Tensor
+    x_copy: torch.Tensor | None
+    lp_ctx: torch.Tensor
+    lp_dec: torch.Tensor
+    p_copy: torch.Tensor
+    has: torch.Tensor
+    task: torch.Tensor
+    example: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.lp_ctx.shape[0])
+
+    def select(self, keep: torch.Tensor) -> TokenStats:
+        """The tokens where ``keep`` ``(N,)`` is True."""
+        return TokenStats(**{k: None if v is None else v[keep] for k, v in self.__dict__.items()})
+
+    @staticmethod
+    def cat(parts: list[TokenStats]) -> TokenStats:
+        """One set of the tokens of all ``parts`` in order."""
+        keys = parts[0].__dict__
+        return TokenStats(
+            **{k: None if keys[k] is None else torch.cat([getattr(p, k) for p in parts]) for k in keys}
+        )
+
+
+@dataclass
+class Heads:
+    """A mixing head and (optionally) a copy head as plain fp64 tensors: ``w_mix`` ``(F,)``, ``b_mix`` ``()``,
+    ``w_copy`` ``(F',)``, ``b_copy`` ``()``."""
+
+    w_mix: torch.Tensor
+    b_mix: torch.Tensor
+    w_copy: torch.Tensor | None = None
+    b_copy: torch.Tensor | None = None
+
+    @staticmethod
+    def of(model: nn.Module) -> Heads:
+        """The heads of ``model`` (a :class:`~cepe.modeling.CepeForCausalLM` with the output mixture)."""
+        return Heads.from_state({k: v for k, v in model.state_dict().items() if k.split(".")[0] in HEADS})
+
+    @staticmethod
+    def from_state(state: dict[str, torch.Tensor]) -> Heads:
+        """The heads in an adapter's tensors (``mix_head.weight`` ``(1, F)``, ``mix_head.bias``, ...)."""
+
+        def get(name: str) -> torch.Tensor | None:
+            t = state.get(name)
+            return None if t is None else t.detach().double().reshape(-1)
+
+        w_mix, b_mix = get("mix_head.weight"), get("mix_head.bias")
+        if w_mix is None or b_mix is None:
+            raise ValueError("no mixing head (mix_head.weight / mix_head.bias) among the adapter's tensors")
+        b_copy = get("copy_head.bias")
+        return Heads(w_mix, b_mix[0], get("copy_head.weight"), None if b_copy is None else b_copy[0])
+
+    def copy_into(self, model: nn.Module) -> None:
+        """Write these weights into ``model``'s heads (their dtype and device)."""
+        with torch.no_grad():
+            for head, w, b in (
+                (model.mix_head, self.w_mix, self.b_mix),
+                (model.copy_head, self.w_copy, self.b_copy),
+            ):
+                if head is None or w is None or b is None:
+                    continue
+                head.weight.copy_(w.reshape(head.weight.shape).to(head.weight))
+                head.bias.copy_(b.reshape(head.bias.shape).to(head.bias))
+
+
+def head_nll(stats: TokenStats, heads: Heads) -> torch.Tensor:
+    """The mixture's negative log-likelihood ``(N,)`` (fp64) at the recorded tokens under ``heads``: what
+    the training loss computes (``cepe.training.speed.mixture_token_nll``) from the same numbers."""
+    import torch.nn.functional as F
+
+    a = stats.x_mix.double() @ heads.w_mix + heads.b_mix  # (N,)
+    nll = -torch.logaddexp(F.logsigmoid(a) + stats.lp_ctx.double(), F.logsigmoid(-a) + stats.lp_dec.double())
+    if heads.w_copy is None or stats.x_copy is None:
+        return nll
+    c = stats.x_copy.double() @ heads.w_copy + heads.b_copy  # (N,) as cepe.mixture.copy_mix_nll, in fp64
+    with_copy = -torch.logaddexp(F.logsigmoid(-c) - nll, F.logsigmoid(c) + stats.p_copy.double().log())
+    return torch.where(stats.has, with_copy, nll)
+
+
+# ------------------------------------------------------------------------------------------- recording
+def check_recipe(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` unless ``cfg`` trains the mixture's heads alone over a frozen reader, on inputs
+    that can be recorded."""
+    c = cfg.cepe or {}
+    problems = []
+    if cfg.stage != "cepe":
+        problems.append(f"its stage is {cfg.stage!r}, not 'cepe'")
+    if not c.get("output_mix"):
+        problems.append("it has no output mixture (cepe.output_mix)")
+    if c.get("mix_hidden", True):
+        problems.append("its heads read the 2·D hidden states (set cepe.mix_hidden: false)")
+    if c.get("mix_copy_prob"):
+        problems.append(
+            "its copy head reads the mixture's own expectation (mix_copy_prob), which moves with the heads"
+        )
+    if not cfg.train_only or set(cfg.train_only) - set(HEADS):
+        problems.append(
+            f"it trains more than the heads (train_only: {cfg.train_only}; give [mix_head, copy_head])"
+        )
+    if cfg.online_teacher or cfg.align_coef:
+        problems.append("its loss is more than the mixture's next-token loss (online_teacher, align_coef)")
+    if problems:
+        raise ValueError(
+            "cepe fit-heads fits the heads of a stage that trains them alone over a frozen reader, but "
+            + "; ".join(problems)
+        )
+
+
+@torch.no_grad()
+def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: bool) -> TokenStats | None:
+    """The :class:`TokenStats` of one collated batch (with ``task`` and ``index``; chunks as the step reads
+    them), computed as :class:`~cepe.training.models.StageModule` computes the loss; None where the batch
+    has no context (the heads take no part there)."""
+    from cepe.mixture import copy_recency_feature
+
+    from .speed import HeadWeight, chunked_target_logprobs
+
+    dev = batch["input_ids"].device
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+        ctx = model.prepare_context(
+            batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
+        )
+        if ctx is None:
+            return None
+        base = model.decoder.get_decoder()
+        ids, labels = batch["input_ids"], batch["labels"]
+        with model.use_context(ctx):
+            hidden = base(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, D)
+        with model.use_context(None):
+            alone = base(input_ids=ids, use_cache=False).last_hidden_state
+        match, copy = ctx.suffix_inputs(ids, 0)  # (B, T, F), (B, T)
+        sel = labels[:, 1:] != -100  # (B, T-1)
+        h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], labels[:, 1:][sel]
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h.dtype
+        with torch.autocast(dev.type, enabled=False):
+            w = HeadWeight().get(model.decoder, dtype)
+            lp_ctx = chunked_target_logprobs(h, w, y)
+            lp_dec = chunked_target_logprobs(h_dec, w, y)
+    m = match[:, :-1][sel]  # (N, F) fp32
+    x_mix = m.to(h.dtype).float()  # as mix_logit casts its inputs
+    x_copy, p_copy, has = None, torch.zeros_like(lp_ctx), torch.zeros_like(y, dtype=torch.bool)
+    if model.copy_head is not None:
+        cp = copy[:, :-1][sel]
+        p_copy, has = cp.target_probs(y), cp.has
+        xc = m
+        if model.cepe_config.mix_copy_near:
+            xc = torch.cat([m, copy_recency_feature(cp)[:, None].to(m.dtype)], dim=-1)
+        x_copy = xc.to(h.dtype).float()
+    rows = sel.nonzero()[:, 0]  # (N,) each token's row
+    task = batch.get("task")
+    task = torch.full_like(rows, TASK_KINDS.index("lm")) if task is None else task[rows]
+    return TokenStats(
+        x_mix,
+        x_copy,
+        lp_ctx.float(),
+        lp_dec.float(),
+        p_copy.float(),
+        has,
+        task.long(),
+        batch["index"][rows].long(),
+    )
+
+
+def record(cfg: TrainConfig, model: nn.Module, out: Path, steps: int, progress: bool = True) -> TokenStats:
+    """Record the stats of the batches of steps ``0 .. steps - 1`` of ``cfg`` into ``out/stats/`` (one file
+    a step, written atomically; a step already there is read, not recomputed) and return them all."""
+    from cepe.compute import resolve_bf16
+    from cepe.fileio import atomic_path
+
+    from .data import collate, example_indices, regroup_chunks, step_chunk_length, step_decoder_length
+    from .trainer import example_maker
+
+    stats_dir = out / STATS_DIR
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    from .speed import hold_frozen_linears
+
+    model.eval()
+    make = example_maker(cfg, model)
+    use_bf16 = resolve_bf16(cfg.bf16, "cpu")
+    if use_bf16:  # the same bf16 matmuls as training, without a cast of each frozen weight per call
+        hold_frozen_linears(model.decoder, torch.bfloat16)
+    accum = cfg.batch_size // cfg.micro_batch_size
+    parts: list[TokenStats] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="recording", unit="step")
+    for step in range(steps):
+        path = stats_dir / f"step_{step:06d}.pt"
+        if path.exists():
+            got = [TokenStats(**d) for d in torch.load(path, weights_only=True)]
+        else:
+            got = []
+            for micro in range(accum):
+                idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
+                n_decoder = step_decoder_length(cfg, step, micro)
+                batch = collate([make(i, n_decoder) for i in idx])
+                length = step_chunk_length(cfg, step, micro)
+                if length is not None:
+                    batch = regroup_chunks(batch, length)
+                s = record_batch(model, batch, use_bf16)
+                if s is not None:
+                    got.append(s)
+            with atomic_path(path) as tmp:
+                torch.save([s.__dict__ for s in got], tmp)
+        parts += got
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if not parts:
+        raise ValueError(f"none of the first {steps} steps of {cfg.output_dir} has a context: nothing to fit")
+    return TokenStats.cat(parts)
+
+
+# ------------------------------------------------------------------------------------------------ fitting
+def fit(stats: TokenStats, start: Heads, max_iter: int, l2: float = 0.0) -> tuple[Heads, list[float]]:
+    """The heads that minimise the mean of :func:`head_nll` over ``stats`` plus ``l2 / 2`` times the sum of
+    their squared weights in standardised units (biases free), by full-batch L-BFGS (strong Wolfe line
+    search, fp64) from ``start``, on standardised inputs (folded back: the returned heads take the raw
+    inputs). Returns the heads and the mean NLL at each evaluation, the first at ``start``, the last at the
+    returned heads."""
+    xs = [stats.x_mix.double()] + ([] if start.w_copy is None else [stats.x_copy.double()])
+    mus = [x.mean(0) for x in xs]
+    sds = [torch.where(x.std(0) > 1e-6, x.std(0), torch.ones_like(x.std(0))) for x in xs]
+    # in standardised units: w' = w·sd, b' = b + w·mu
+    flat = [start.w_mix * sds[0], (start.b_mix + start.w_mix @ mus[0]).reshape(1)]
+    if start.w_copy is not None:
+        flat += [start.w_copy * sds[1], (start.b_copy + start.w_copy @ mus[1]).reshape(1)]
+    theta = torch.cat(flat).clone().requires_grad_(True)
+    sizes = [t.numel() for t in flat]
+    is_weight = torch.cat([torch.full((n,), i % 2 == 0, dtype=torch.bool) for i, n in enumerate(sizes)])
+
+    def unpack(t: torch.Tensor) -> Heads:
+        parts = list(torch.split(t, sizes))
+        w_mix = parts[0] / sds[0]
+        heads = Heads(w_mix, parts[1][0] - w_mix @ mus[0])
+        if len(parts) > 2:
+            w_copy = parts[2] / sds[1]
+            heads.w_copy, heads.b_copy = w_copy, parts[3][0] - w_copy @ mus[1]
+        return heads
+
+    history: list[float] = []
+    opt = torch.optim.LBFGS(
+        [theta],
+        lr=1.0,
+        max_iter=max_iter,
+        history_size=20,
+        tolerance_grad=1e-9,
+        tolerance_change=1e-12,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        nll = head_nll(stats, unpack(theta)).mean()
+        loss = nll + 0.5 * l2 * theta[is_weight].square().sum()
+        loss.backward()
+        history.append(float(nll.detach()))
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        out = unpack(theta.detach())
+        history.append(float(head_nll(stats, out).mean()))
+    return out, history
+
+
+# ------------------------------------------------------------------------------------------------ the job
+def _compare_heads(path: str, names: dict[str, list[str]]) -> Heads:
+    """The heads of adapter ``path``, checked to take the inputs ``names`` (per head) of the recipe's."""
+    from cepe.config import CepeConfig
+    from cepe.mixture import head_inputs
+    from cepe.modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file
+
+    p = Path(path)
+    if not (p / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(f"compare: {p / ADAPTER_CONFIG} not found; give a cepe adapter directory")
+    c = CepeConfig.load(p / ADAPTER_CONFIG)
+    d = names["hidden_size"]
+    theirs = {
+        "mix_head": head_inputs(d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
+        if c.output_mix
+        else None,
+        "copy_head": head_inputs(
+            d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, c.mix_copy_prob, c.mix_copy_near
+        )
+        if c.mix_copy
+        else None,
+    }
+    for head in HEADS:
+        if theirs[head] != names[head]:
+            raise ValueError(
+                f"compare: the {head} of {path} takes {_describe(theirs[head])}, the recipe's "
+                f"{_describe(names[head])}: only heads over the same inputs can be scored on these records"
+            )
+    return Heads.from_state(load_adapter_file(p / ADAPTER_WEIGHTS))
+
+
+def int8_heads(heads: Heads) -> Heads:
+    """``heads`` as an adapter exported with ``quantize="int8"`` holds them (:mod:`cepe.quant`: each weight
+    row in int8 with its scale, the biases in fp32)."""
+    from cepe.quant import dequantize_int8_rowwise, quantize_int8_rowwise
+
+    ws = {"m": heads.w_mix[None]} | ({} if heads.w_copy is None else {"c": heads.w_copy[None]})
+    back = dequantize_int8_rowwise(quantize_int8_rowwise(ws))
+    w_copy = None if heads.w_copy is None else back["c"][0].double()
+    return Heads(back["m"][0].double(), heads.b_mix, w_copy, heads.b_copy)
+
+
+def _describe(names: list[str] | None) -> str:
+    return (
+        "nothing (no such head)"
+        if names is None
+        else f"{len(names)} inputs ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})"
+    )
+
+
+def _scores(stats: TokenStats, heads: Heads) -> dict[str, Any]:
+    """Mean NLL over ``stats`` and by example kind."""
+    if not len(stats):
+        return {"nll": None, "by_task": {}}
+    nll = head_nll(stats, heads)
+    by = {TASK_KINDS[k]: float(nll[stats.task == k].mean()) for k in sorted(set(stats.task.tolist()))}
+    return {"nll": float(nll.mean()), "by_task": by}
+
+
+def _named(weights: torch.Tensor | None, names: list[str] | None) -> dict[str, float] | None:
+    return (
+        None if weights is None or names is None else {n: round(float(w), 6) for n, w in zip(names, weights)}
+    )
+
+
+def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
+    """Record, fit, score and write (see the module's docstring); returns what ``fit.json`` holds."""
+    from cepe.fileio import write_json, write_text
+    from cepe.mixture import head_inputs
+
+    from .config import load_config
+    from .models import build_model
+
+    recipe = load_config(cfg.recipe, [], stage="cepe")
+    check_recipe(recipe)
+    out = Path(cfg.output_dir or f"{recipe.output_dir}-fit")
+    steps = recipe.steps if cfg.steps is None else cfg.steps
+    t0 = time.time()
+    model = build_model(recipe)
+    c = model.cepe_config
+    d = int(model.decoder.config.hidden_size)
+    names = {
+        "hidden_size": d,
+        "mix_head": head_inputs(d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree),
+        "copy_head": head_inputs(
+            d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, c.mix_copy_prob, c.mix_copy_near
+        )
+        if c.mix_copy
+        else None,
+    }
+    others = {path: _compare_heads(path, names) for path in cfg.compare}  # fail before the long part
+    stats = record(recipe, model, out, steps, cfg.progress)
+    recorded_s = time.time() - t0
+    held = (
+        (stats.example % cfg.held_out_every == 0)
+        if cfg.held_out_every
+        else torch.zeros(len(stats), dtype=torch.bool)
+    )
+    train, test = stats.select(~held), stats.select(held)
+    start = Heads.of(model)
+    t1 = time.time()
+    fitted, history = fit(train, start, cfg.max_iter, cfg.l2)
+    fit_s = time.time() - t1
+    fitted.copy_into(model)
+    model.eval()
+    model.save_pretrained(out / "adapter")
+
+    def nll_of(lp: torch.Tensor) -> float | None:
+        return None if not len(test) else float(-lp.double().mean())
+
+    result: dict[str, Any] = {
+        "config": asdict(cfg),
+        "recipe": recipe.output_dir,
+        "steps": steps,
+        "tokens": {"fit": len(train), "held_out": len(test)},
+        "examples": {
+            "fit": int(train.example.unique().numel()),
+            "held_out": int(test.example.unique().numel()),
+        },
+        "iterations": len(history),
+        "objective": {"start": history[0], "fitted": history[-1], "by_iteration": history},
+        "held_out": {
+            "fitted": _scores(test, fitted),
+            "fitted, int8": _scores(test, int8_heads(fitted)),
+            "start": _scores(test, start),
+            **{f"compare:{p}": _scores(test, h) for p, h in others.items()},
+            "decoder alone": {"nll": nll_of(test.lp_dec)},
+            "reader alone": {"nll": nll_of(test.lp_ctx)},
+        },
+        "fit": {"fitted": _scores(train, fitted), "start": _scores(train, start)},
+        "weights": {
+            "mix_head": {"bias": float(fitted.b_mix), "weights": _named(fitted.w_mix, names["mix_head"])},
+            "copy_head": None
+            if fitted.w_copy is None
+            else {"bias": float(fitted.b_copy), "weights": _named(fitted.w_copy, names["copy_head"])},
+        },
+        "seconds": {"record": round(recorded_s, 1), "fit": round(fit_s, 2)},
+        "adapter": str(out / "adapter"),
+    }
+    write_json(out / "fit.json", result, indent=1)
+    write_text(out / "fit.md", report_markdown(result))
+    _plot(history, out / "fit.png")
+    return result
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    """``fit.md``: the held-out table (mean NLL, by kind) and the fitted weights."""
+    from cepe.tables import pipe_table
+
+    held = result["held_out"]
+    kinds = sorted({k for v in held.values() for k in v.get("by_task", {})})
+    rows = []
+    for name, v in held.items():
+        nll = v.get("nll")
+        rows.append(
+            [name, "-" if nll is None else f"{nll:.4f}", "-" if nll is None else f"{math.exp(nll):.3f}"]
+            + [f"{v['by_task'][k]:.4f}" if k in v.get("by_task", {}) else "-" for k in kinds]
+        )
+    lines = [
+        f"# Heads fitted on {result['recipe']}'s first {result['steps']} steps",
+        "",
+        f"{result['tokens']['fit']} tokens of {result['examples']['fit']} examples fitted, "
+        f"{result['tokens']['held_out']} of {result['examples']['held_out']} held out; "
+        f"{result['iterations']} L-BFGS evaluations, objective {result['objective']['start']:.5f} → "
+        f"{result['objective']['fitted']:.5f}.",
+        "",
+        "Held-out NLL per token:",
+        "",
+        *pipe_table(["heads", "NLL", "perplexity", *kinds], rows),
+        "",
+    ]
+    for head, w in result["weights"].items():
+        if w is None:
+            continue
+        cells = ", ".join(f"{n} {v:+.3f}" for n, v in w["weights"].items())
+        lines += [f"`{head}`: bias {w['bias']:+.3f}; {cells}", ""]
+    return "\n".join(lines)
+
+
+def _plot(history: list[float], path: Path) -> None:
+    """The objective by L-BFGS evaluation (skipped without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cepe.fileio import atomic_path
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(range(len(history)), history)
+    ax.set_xlabel("L-BFGS function evaluation")
+    ax.set_ylabel("mean NLL (fitted tokens)")
+    ax.set_title("head fit")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """The held-out lines of a finished fit, for the terminal."""
+    print(json.dumps({k: v.get("nll") for k, v in result["held_out"].items()}, indent=1))
+    print(f"wrote {result['adapter']} and fit.json / fit.md / fit.png beside it")

@@ -1,0 +1,226 @@
+"""``cepe fit-heads`` (:mod:`cepe.training.head_fit`): the recorded statistics give the training loss of
+the output mixture's heads exactly; the full-batch fit converges (zero gradient in the raw weights) and
+lowers the loss; the job resumes from its records, scores other adapters' heads, and refuses recipes it
+cannot fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from cepe.training.config import load_config
+from cepe.training.head_fit import (
+    HeadFitConfig,
+    Heads,
+    TokenStats,
+    check_recipe,
+    fit,
+    head_nll,
+    record_batch,
+    run_head_fit,
+)
+
+HEADS_ONLY = {
+    "output_mix": True,
+    "mix_match": 2,
+    "mix_hidden": False,
+    "mix_length": True,
+    "mix_agree": True,
+    "mix_copy": True,
+    "mix_copy_near": True,
+}
+
+
+def _recipe(tmp_path, **over) -> dict:
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(
+        output_dir=str(tmp_path / "heads"),
+        steps=3,
+        batch_size=4,
+        micro_batch_size=2,
+        progress=False,
+        data={"synthetic": "random"},
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1},
+        tasks={"lm": 1, "copy": 1, "recall": 1},
+        recall_cue=4,
+        recall_span=[4, 12],
+        context_drop=0.25,
+        cepe=dict(HEADS_ONLY),
+        train_only=["mix_head", "copy_head"],
+    )
+    d.update(over)
+    return d
+
+
+def _reader(tmp_path):
+    """A tiny adapter that reads (random o_proj) with random heads, saved as the recipes' init_adapter."""
+    from cepe.training.models import build_model
+
+    model = build_model(load_config(_recipe(tmp_path)))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.o_proj.weight.normal_(0, 0.2)
+        model.mix_head.weight.normal_(0, 0.5)
+        model.copy_head.weight.normal_(0, 0.5)
+        model.copy_head.bias.fill_(-1.0)
+    path = tmp_path / "reader"
+    model.save_pretrained(path)
+    return path
+
+
+def test_recorded_stats_give_the_training_loss(tmp_path):
+    """The mean of ``head_nll`` over a batch's records with the model's own heads is the training loss
+    of that batch (``StageModule``), fp32, and its gradient in the heads is the loss's."""
+    from cepe.training.data import build_example, collate, window_source
+    from cepe.training.models import StageModule, build_model
+
+    cfg = load_config(_recipe(tmp_path, init_adapter=str(_reader(tmp_path))))
+    model = build_model(cfg)
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(6)])
+    stats = record_batch(model, batch, use_bf16=False)
+    assert stats is not None and set(stats.task.tolist()) == {0, 1, 2}
+    assert bool(stats.has.any()) and not bool(stats.has.all())
+    assert not torch.equal(stats.lp_ctx, stats.lp_dec)  # the reader reads
+    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 1  # the recency input
+    module = StageModule(model, cfg)
+    trained = {k: v for k, v in batch.items() if k != "index"}
+    loss, _ = module(trained)
+    loss.backward()
+    module.release()
+    heads = Heads.of(model)
+    for t in (heads.w_mix, heads.b_mix, heads.w_copy, heads.b_copy):
+        t.requires_grad_(True)
+    mine = head_nll(stats, heads).mean()
+    mine.backward()
+    torch.testing.assert_close(mine.float(), loss.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(heads.w_mix.grad.float(), model.mix_head.weight.grad[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        heads.w_copy.grad.float(), model.copy_head.weight.grad[0], rtol=1e-4, atol=1e-5
+    )
+    torch.testing.assert_close(heads.b_copy.grad.float(), model.copy_head.bias.grad[0], rtol=1e-4, atol=1e-5)
+
+
+def _synthetic(n: int, seed: int) -> TokenStats:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 3, generator=g) * torch.tensor([1.0, 10.0, 0.01]) + torch.tensor([0.0, 5.0, 0.0])
+    lp_ctx = -torch.rand(n, generator=g) * 6
+    lp_dec = -torch.rand(n, generator=g) * 6 + x[:, 0]  # the decoder is better where input 0 is high
+    has = torch.rand(n, generator=g) < 0.5
+    p = torch.where(has, torch.rand(n, generator=g), torch.zeros(n))
+    xc = torch.cat([x, torch.rand(n, 1, generator=g)], dim=1)
+    zero = torch.zeros(n, dtype=torch.long)
+    return TokenStats(x, xc, lp_ctx, lp_dec.clamp_max(0), p, has, zero, torch.arange(n))
+
+
+def test_the_fit_converges_in_the_raw_weights():
+    """The fit works on standardised inputs (scales 0.01 to 10 here) and folds them back: the returned
+    heads are a stationary point of the objective over the raw inputs, below where they started."""
+    stats = _synthetic(4000, 0)
+    start = Heads(
+        torch.zeros(3, dtype=torch.float64),
+        torch.tensor(0.0, dtype=torch.float64),
+        torch.zeros(4, dtype=torch.float64),
+        torch.tensor(-4.0, dtype=torch.float64),
+    )
+    got, history = fit(stats, start, 200)
+    assert history[-1] < history[0] - 0.05
+    ts = [got.w_mix, got.b_mix, got.w_copy, got.b_copy]
+    for t in ts:
+        t.requires_grad_(True)
+    head_nll(stats, got).mean().backward()
+    assert max(float(t.grad.abs().max()) for t in ts) < 1e-4
+    assert abs(float(head_nll(stats, got).mean().detach()) - history[-1]) < 1e-12
+    assert float(got.w_mix[0].detach()) < 0  # λ falls where the decoder alone is better
+
+
+def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
+    """The job records each step once (a rerun reads the records), holds out every n-th example, and
+    writes an adapter with the fitted heads that scores below its start held out; another adapter's heads
+    are scored on the same tokens, and an adapter whose heads take other inputs is refused."""
+    import cepe.training.head_fit as hf
+    from cepe.modeling import load_adapter_file
+    from cepe.training.models import build_model
+
+    reader = _reader(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader))))
+    out = tmp_path / "fit"
+    cfg = HeadFitConfig(
+        recipe=str(recipe), output_dir=str(out), held_out_every=3, compare=[str(reader)], progress=False
+    )
+    got = run_head_fit(cfg)
+    assert sorted(p.name for p in (out / "stats").iterdir()) == [f"step_{s:06d}.pt" for s in range(3)]
+    assert got["examples"]["held_out"] == 4 and got["examples"]["fit"] == 8  # 12 examples, 0 3 6 9 held
+    held = got["held_out"]
+    assert held["fitted"]["nll"] < held["start"]["nll"]
+    assert held[f"compare:{reader}"]["nll"] == pytest.approx(held["start"]["nll"])  # the same heads
+    assert set(held["fitted"]["by_task"]) <= {"lm", "copy", "recall"}
+    assert json.loads((out / "fit.json").read_text())["iterations"] == got["iterations"]
+    assert "Held-out NLL" in (out / "fit.md").read_text() and (out / "fit.png").is_file()
+    saved = Heads.from_state(load_adapter_file(out / "adapter" / "adapter_model.safetensors"))
+    w = got["weights"]["mix_head"]
+    assert float(saved.b_mix) == pytest.approx(w["bias"], abs=1e-6)
+    assert saved.w_copy.tolist() == pytest.approx(
+        list(got["weights"]["copy_head"]["weights"].values()), rel=1e-5, abs=1e-5
+    )
+
+    q = hf.int8_heads(saved)  # what an int8 export of the adapter holds
+    m8 = tmp_path / "int8"
+    fitted = build_model(load_config(_recipe(tmp_path, init_adapter=str(out / "adapter"))))
+    fitted.save_pretrained(m8, quantize="int8")
+    back = Heads.from_state(load_adapter_file(m8 / "adapter_model.safetensors"))
+    torch.testing.assert_close(back.w_copy, q.w_copy)
+    torch.testing.assert_close(back.w_mix, q.w_mix)
+    assert held["fitted, int8"]["nll"] == pytest.approx(held["fitted"]["nll"], rel=0.05)
+
+    def no_model(*a, **k):
+        raise AssertionError("a recorded step was computed again")
+
+    monkeypatch.setattr(hf, "record_batch", no_model)
+    again = run_head_fit(
+        HeadFitConfig(recipe=str(recipe), output_dir=str(out), held_out_every=3, progress=False)
+    )
+    assert again["held_out"]["fitted"]["nll"] == pytest.approx(held["fitted"]["nll"], abs=1e-9)
+    monkeypatch.undo()
+
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), steps=1)))
+    plain = tmp_path / "plain"
+    m = build_model(load_config(_recipe(tmp_path, cepe={**HEADS_ONLY, "mix_copy_near": False})))
+    m.save_pretrained(plain)
+    with pytest.raises(ValueError, match="copy_head of .* takes 5 inputs .* the recipe's 6 inputs"):
+        run_head_fit(
+            HeadFitConfig(
+                recipe=str(other), output_dir=str(tmp_path / "f2"), compare=[str(plain)], progress=False
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"train_only": None}, "trains more than the heads"),
+        ({"train_only": ["mix_head", "o_proj"]}, "trains more than the heads"),
+        ({"cepe": {**HEADS_ONLY, "mix_hidden": True}}, "hidden states"),
+        ({"cepe": {**HEADS_ONLY, "mix_copy_prob": True}}, "mix_copy_prob"),
+        ({"cepe": {}}, "no output mixture"),
+        ({"align_coef": 1.0}, "more than the mixture's next-token loss"),
+    ],
+)
+def test_recipes_it_cannot_fit_are_refused(tmp_path, over, message):
+    with pytest.raises(ValueError, match=message):
+        check_recipe(load_config(_recipe(tmp_path, **over)))
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="held_out_every"):
+        HeadFitConfig(recipe="x.yaml", held_out_every=1)
+    with pytest.raises(ValueError, match="steps"):
+        HeadFitConfig(recipe="x.yaml", steps=0)
