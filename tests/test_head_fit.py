@@ -139,6 +139,15 @@ def test_the_fit_converges_in_the_raw_weights():
     assert abs(float(head_nll(stats, got).mean().detach()) - history[-1]) < 1e-12
     assert float(got.w_mix[0].detach()) < 0  # λ falls where the decoder alone is better
 
+    keep = [torch.tensor([True, False, False]), torch.tensor([False, False, False, True])]
+    start.w_mix[0], start.w_copy[3] = 0.3, -0.2
+    held, _ = fit(stats, start, 200, l2=1e-3, fixed=keep)
+    assert float(held.w_mix[0]) == pytest.approx(0.3, abs=1e-12)
+    assert float(held.w_copy[3]) == pytest.approx(-0.2, abs=1e-12)
+    assert float(held.w_mix[1]) != 0.0
+    with pytest.raises(ValueError, match="mask has 2 entries for 3 weights"):
+        fit(stats, start, 5, fixed=[torch.tensor([True, False])])
+
 
 def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     """The job records each step once (a rerun reads the records), holds out every n-th example, and
@@ -156,7 +165,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         recipe=str(recipe), output_dir=str(out), held_out_every=3, compare=[str(reader)], progress=False
     )
     got = run_head_fit(cfg)
-    assert sorted(p.name for p in (out / "stats").iterdir()) == [f"step_{s:06d}.pt" for s in range(3)]
+    assert sorted(p.name for p in (out / "stats").glob("*.pt")) == [f"step_{s:06d}.pt" for s in range(3)]
     assert got["examples"]["held_out"] == 4 and got["examples"]["fit"] == 8  # 12 examples, 0 3 6 9 held
     held = got["held_out"]
     assert held["fitted"]["nll"] < held["start"]["nll"]
@@ -188,8 +197,32 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         HeadFitConfig(recipe=str(recipe), output_dir=str(out), held_out_every=3, progress=False)
     )
     assert again["held_out"]["fitted"]["nll"] == pytest.approx(held["fitted"]["nll"], abs=1e-9)
+    shared = run_head_fit(  # another fit over the same records, in another folder
+        HeadFitConfig(
+            recipe=str(recipe),
+            output_dir=str(tmp_path / "fit_n"),
+            records=str(out / "stats"),
+            held_out_every=3,
+            fixed=["n"],
+            progress=False,
+        )
+    )
+    first = Heads.from_state(load_adapter_file(reader / "adapter_model.safetensors"))  # [m1 m2 n a1 a2 (r)]
+    assert shared["weights"]["mix_head"]["weights"]["n"] == pytest.approx(float(first.w_mix[2]), abs=1e-6)
+    assert shared["weights"]["copy_head"]["weights"]["n"] == pytest.approx(float(first.w_copy[2]), abs=1e-6)
+    assert not (tmp_path / "fit_n" / "stats").exists()
     monkeypatch.undo()
+    seeded = tmp_path / "seeded.yaml"
+    seeded.write_text(
+        yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), data={"synthetic": "random", "seed": 5}))
+    )
+    with pytest.raises(ValueError, match="holds the records of .* not of this recipe"):
+        run_head_fit(HeadFitConfig(recipe=str(seeded), records=str(out / "stats"), progress=False))
 
+    with pytest.raises(ValueError, match=r"fixed: \['zz'\] are no inputs of this recipe's heads"):
+        run_head_fit(
+            HeadFitConfig(recipe=str(recipe), output_dir=str(out), fixed=["n", "zz"], progress=False)
+        )
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), steps=1)))
     plain = tmp_path / "plain"

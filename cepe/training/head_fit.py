@@ -32,6 +32,7 @@ from torch import nn
 from .config import TASK_KINDS, TrainConfig
 
 STATS_DIR = "stats"
+RECORDS_FILE = "records.json"  # in the records folder: whose they are
 HEADS = ("mix_head", "copy_head")
 
 
@@ -50,6 +51,12 @@ class HeadFitConfig:
         l2: ridge penalty on the heads' weights in standardised units (half the sum of their squares times
             this, added to the mean NLL; biases free): it keeps an input that barely varies (a context
             length nearly the same in every example) from trading a huge weight against the bias.
+        fixed: inputs (by name: ``m1`` … ``mK`` matches, ``n`` the context's length, ``a1`` … ``aK``
+            agreements, ``r`` recency) whose weights in both heads stay at the start's (zero for new heads):
+            an input that tells the recipe's example kinds apart (the length, where one kind always has the
+            longest context) without telling where to copy.
+        records: the folder of the recorded statistics (default: ``output_dir/stats``): fits with other
+            settings can share one recording; records of another recipe are refused.
         compare: other adapters (directories) whose heads take the same inputs, scored on the same
             held-out tokens (their heads alone: over this recipe's reader).
         progress: show a progress bar while recording.
@@ -61,6 +68,8 @@ class HeadFitConfig:
     held_out_every: int = 5
     max_iter: int = 300
     l2: float = 1e-4
+    fixed: list[str] = field(default_factory=list)
+    records: str | None = None
     compare: list[str] = field(default_factory=list)
     progress: bool = True
 
@@ -256,22 +265,36 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
     )
 
 
-def record(cfg: TrainConfig, model: nn.Module, out: Path, steps: int, progress: bool = True) -> TokenStats:
-    """Record the stats of the batches of steps ``0 .. steps - 1`` of ``cfg`` into ``out/stats/`` (one file
-    a step, written atomically; a step already there is read, not recomputed) and return them all."""
+def record(
+    cfg: TrainConfig, model: nn.Module, stats_dir: Path, steps: int, progress: bool = True
+) -> TokenStats:
+    """Record the stats of the batches of steps ``0 .. steps - 1`` of ``cfg`` into ``stats_dir`` (one file
+    a step, written atomically; a step already there is read, not recomputed) and return them all. The
+    folder names the recipe (its fingerprint) and the compute dtype it was recorded in: records of another
+    raise ``ValueError``."""
     from cepe.compute import resolve_bf16
-    from cepe.fileio import atomic_path
+    from cepe.fileio import atomic_path, write_json
 
     from .data import collate, example_indices, regroup_chunks, step_chunk_length, step_decoder_length
+    from .speed import hold_frozen_linears
     from .trainer import example_maker
 
-    stats_dir = out / STATS_DIR
+    use_bf16 = resolve_bf16(cfg.bf16, "cpu")
     stats_dir.mkdir(parents=True, exist_ok=True)
-    from .speed import hold_frozen_linears
-
+    what = {"recipe": cfg.output_dir, "fingerprint": cfg.fingerprint(), "bf16": use_bf16}
+    note = stats_dir / RECORDS_FILE
+    if note.exists():
+        had = json.loads(note.read_text())
+        if {k: had.get(k) for k in ("fingerprint", "bf16")} != {k: what[k] for k in ("fingerprint", "bf16")}:
+            raise ValueError(
+                f"{stats_dir} holds the records of {had.get('recipe')} (fingerprint {had.get('fingerprint')}, "
+                f"bf16 {had.get('bf16')}), not of this recipe ({what['fingerprint']}, bf16 {use_bf16}): give "
+                "another records folder (or output_dir)"
+            )
+    else:
+        write_json(note, what, indent=1)
     model.eval()
     make = example_maker(cfg, model)
-    use_bf16 = resolve_bf16(cfg.bf16, "cpu")
     if use_bf16:  # the same bf16 matmuls as training, without a cast of each frozen weight per call
         hold_frozen_linears(model.decoder, torch.bfloat16)
     accum = cfg.batch_size // cfg.micro_batch_size
@@ -310,11 +333,18 @@ def record(cfg: TrainConfig, model: nn.Module, out: Path, steps: int, progress: 
 
 
 # ------------------------------------------------------------------------------------------------ fitting
-def fit(stats: TokenStats, start: Heads, max_iter: int, l2: float = 0.0) -> tuple[Heads, list[float]]:
+def fit(
+    stats: TokenStats,
+    start: Heads,
+    max_iter: int,
+    l2: float = 0.0,
+    fixed: list[torch.Tensor] | None = None,
+) -> tuple[Heads, list[float]]:
     """The heads that minimise the mean of :func:`head_nll` over ``stats`` plus ``l2 / 2`` times the sum of
     their squared weights in standardised units (biases free), by full-batch L-BFGS (strong Wolfe line
     search, fp64) from ``start``, on standardised inputs (folded back: the returned heads take the raw
-    inputs). Returns the heads and the mean NLL at each evaluation, the first at ``start``, the last at the
+    inputs). ``fixed``: per head (mixing, copy) a bool mask ``(F,)`` of the weights kept at ``start``'s.
+    Returns the heads and the mean NLL at each evaluation, the first at ``start``, the last at the
     returned heads."""
     xs = [stats.x_mix.double()] + ([] if start.w_copy is None else [stats.x_copy.double()])
     mus = [x.mean(0) for x in xs]
@@ -323,9 +353,22 @@ def fit(stats: TokenStats, start: Heads, max_iter: int, l2: float = 0.0) -> tupl
     flat = [start.w_mix * sds[0], (start.b_mix + start.w_mix @ mus[0]).reshape(1)]
     if start.w_copy is not None:
         flat += [start.w_copy * sds[1], (start.b_copy + start.w_copy @ mus[1]).reshape(1)]
-    theta = torch.cat(flat).clone().requires_grad_(True)
+    theta0 = torch.cat(flat).detach().clone()
     sizes = [t.numel() for t in flat]
     is_weight = torch.cat([torch.full((n,), i % 2 == 0, dtype=torch.bool) for i, n in enumerate(sizes)])
+    held = torch.zeros_like(is_weight)  # entries of theta kept at their start
+    for i, mask in enumerate(fixed or []):
+        if mask is not None:
+            if mask.shape != (sizes[2 * i],):
+                raise ValueError(
+                    f"fixed: head {i}'s mask has {mask.numel()} entries for {sizes[2 * i]} weights"
+                )
+            at = sum(sizes[: 2 * i])
+            held[at : at + sizes[2 * i]] = mask
+    free = theta0[~held].clone().requires_grad_(True)
+
+    def full(f: torch.Tensor) -> torch.Tensor:
+        return theta0.masked_scatter(~held, f)
 
     def unpack(t: torch.Tensor) -> Heads:
         parts = list(torch.split(t, sizes))
@@ -338,7 +381,7 @@ def fit(stats: TokenStats, start: Heads, max_iter: int, l2: float = 0.0) -> tupl
 
     history: list[float] = []
     opt = torch.optim.LBFGS(
-        [theta],
+        [free],
         lr=1.0,
         max_iter=max_iter,
         history_size=20,
@@ -349,15 +392,16 @@ def fit(stats: TokenStats, start: Heads, max_iter: int, l2: float = 0.0) -> tupl
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
+        theta = full(free)
         nll = head_nll(stats, unpack(theta)).mean()
-        loss = nll + 0.5 * l2 * theta[is_weight].square().sum()
+        loss = nll + 0.5 * l2 * theta[is_weight & ~held].square().sum()
         loss.backward()
         history.append(float(nll.detach()))
         return loss
 
     opt.step(closure)
     with torch.no_grad():
-        out = unpack(theta.detach())
+        out = unpack(full(free.detach()))
         history.append(float(head_nll(stats, out).mean()))
     return out, history
 
@@ -452,8 +496,14 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
         if c.mix_copy
         else None,
     }
+    unknown = sorted(set(cfg.fixed) - set(names["mix_head"]) - set(names["copy_head"] or []))
+    if unknown:
+        raise ValueError(
+            f"fixed: {unknown} are no inputs of this recipe's heads; they take "
+            f"{_describe(names['mix_head'])} and {_describe(names['copy_head'])}"
+        )
     others = {path: _compare_heads(path, names) for path in cfg.compare}  # fail before the long part
-    stats = record(recipe, model, out, steps, cfg.progress)
+    stats = record(recipe, model, Path(cfg.records) if cfg.records else out / STATS_DIR, steps, cfg.progress)
     recorded_s = time.time() - t0
     held = (
         (stats.example % cfg.held_out_every == 0)
@@ -463,7 +513,8 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     train, test = stats.select(~held), stats.select(held)
     start = Heads.of(model)
     t1 = time.time()
-    fitted, history = fit(train, start, cfg.max_iter, cfg.l2)
+    masks = [None if names[h] is None else torch.tensor([n in cfg.fixed for n in names[h]]) for h in HEADS]
+    fitted, history = fit(train, start, cfg.max_iter, cfg.l2, masks)
     fit_s = time.time() - t1
     fitted.copy_into(model)
     model.eval()
