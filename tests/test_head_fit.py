@@ -203,12 +203,12 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
             output_dir=str(tmp_path / "fit_n"),
             records=str(out / "stats"),
             held_out_every=3,
-            fixed=["n"],
+            fixed=["copy_head:n"],
             progress=False,
         )
     )
     first = Heads.from_state(load_adapter_file(reader / "adapter_model.safetensors"))  # [m1 m2 n a1 a2 (r)]
-    assert shared["weights"]["mix_head"]["weights"]["n"] == pytest.approx(float(first.w_mix[2]), abs=1e-6)
+    assert shared["weights"]["mix_head"]["weights"]["n"] != pytest.approx(float(first.w_mix[2]), abs=1e-3)
     assert shared["weights"]["copy_head"]["weights"]["n"] == pytest.approx(float(first.w_copy[2]), abs=1e-6)
     assert not (tmp_path / "fit_n" / "stats").exists()
     monkeypatch.undo()
@@ -219,9 +219,16 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds the records of .* not of this recipe"):
         run_head_fit(HeadFitConfig(recipe=str(seeded), records=str(out / "stats"), progress=False))
 
-    with pytest.raises(ValueError, match=r"fixed: \['zz'\] are no inputs of this recipe's heads"):
+    with pytest.raises(
+        ValueError, match=r"fixed: \['mix_head:r', 'zz'\] are no inputs of this recipe's heads"
+    ):
         run_head_fit(
-            HeadFitConfig(recipe=str(recipe), output_dir=str(out), fixed=["n", "zz"], progress=False)
+            HeadFitConfig(
+                recipe=str(recipe),
+                output_dir=str(out),
+                fixed=["n", "zz", "copy_head:r", "mix_head:r"],
+                progress=False,
+            )
         )
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), steps=1)))

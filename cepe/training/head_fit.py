@@ -52,9 +52,10 @@ class HeadFitConfig:
             this, added to the mean NLL; biases free): it keeps an input that barely varies (a context
             length nearly the same in every example) from trading a huge weight against the bias.
         fixed: inputs (by name: ``m1`` … ``mK`` matches, ``n`` the context's length, ``a1`` … ``aK``
-            agreements, ``r`` recency) whose weights in both heads stay at the start's (zero for new heads):
-            an input that tells the recipe's example kinds apart (the length, where one kind always has the
-            longest context) without telling where to copy.
+            agreements, ``r`` recency) whose weights stay at the start's (zero for new heads), in both
+            heads, or in one as ``copy_head:n`` / ``mix_head:n``: an input that tells the recipe's example
+            kinds apart (the length, where one kind always has the longest context) without telling where to
+            copy.
         records: the folder of the recorded statistics (default: ``output_dir/stats``): fits with other
             settings can share one recording; records of another recipe are refused.
         compare: other adapters (directories) whose heads take the same inputs, scored on the same
@@ -496,7 +497,9 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
         if c.mix_copy
         else None,
     }
-    unknown = sorted(set(cfg.fixed) - set(names["mix_head"]) - set(names["copy_head"] or []))
+    unknown = sorted(
+        f for f in cfg.fixed if not any(f in (n, f"{h}:{n}") for h in HEADS for n in names[h] or [])
+    )
     if unknown:
         raise ValueError(
             f"fixed: {unknown} are no inputs of this recipe's heads; they take "
@@ -513,7 +516,12 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     train, test = stats.select(~held), stats.select(held)
     start = Heads.of(model)
     t1 = time.time()
-    masks = [None if names[h] is None else torch.tensor([n in cfg.fixed for n in names[h]]) for h in HEADS]
+    masks = [
+        None
+        if names[h] is None
+        else torch.tensor([n in cfg.fixed or f"{h}:{n}" in cfg.fixed for n in names[h]])
+        for h in HEADS
+    ]
     fitted, history = fit(train, start, cfg.max_iter, cfg.l2, masks)
     fit_s = time.time() - t1
     fitted.copy_into(model)
