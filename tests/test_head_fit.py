@@ -264,3 +264,27 @@ def test_config_checks():
         HeadFitConfig(recipe="x.yaml", held_out_every=1)
     with pytest.raises(ValueError, match="steps"):
         HeadFitConfig(recipe="x.yaml", steps=0)
+
+
+def test_held_out_scores_by_kind_and_context_length():
+    """The report's breakdown: by example kind, and the continuation examples by the context length the
+    length input encodes (log(1 + n / 1024)); a side alone scores its own log-probabilities."""
+    from cepe.mixture import length_feature
+    from cepe.training.head_fit import _scores, _side
+
+    stats = _synthetic(600, 1)
+    ctx = torch.tensor([100, 1500, 3000, 5000, 6500, 8192]).repeat(100)
+    stats.x_mix[:, 1] = length_feature(ctx)
+    stats.task = (torch.arange(600) >= 480).long()  # lm, then copy
+    heads = Heads(torch.tensor([0.5, -0.1, 2.0], dtype=torch.float64), torch.tensor(0.3, dtype=torch.float64))
+    got = _scores(stats, heads, length_col=1)
+    nll = head_nll(stats, heads)
+    lm = stats.task == 0
+    assert got["by_task"]["copy"] == pytest.approx(float(nll[~lm].mean()))
+    assert list(got["lm_by_length"]) == ["0K-1K", "1K-2K", "2K-4K", "4K-6K", "6K-7K", "7K+"]
+    assert got["lm_by_length"]["4K-6K"] == pytest.approx(float(nll[lm & (ctx == 5000)].mean()))
+    alone = _side(stats, stats.lp_dec, 1)
+    assert alone["by_task"]["lm"] == pytest.approx(float(-stats.lp_dec[lm].double().mean()), rel=1e-9)
+    assert alone["lm_by_length"]["7K+"] == pytest.approx(
+        float(-stats.lp_dec[lm & (ctx == 8192)].double().mean()), rel=1e-9
+    )

@@ -457,13 +457,46 @@ def _describe(names: list[str] | None) -> str:
     )
 
 
-def _scores(stats: TokenStats, heads: Heads) -> dict[str, Any]:
-    """Mean NLL over ``stats`` and by example kind."""
+LENGTH_BINS = (0, 1024, 2048, 4096, 6144, 7168)  # context tokens: the lower edges of the report's bins
+
+
+def _bin_name(i: int) -> str:
+    lo = f"{LENGTH_BINS[i] // 1024}K"
+    return f"{lo}+" if i + 1 == len(LENGTH_BINS) else f"{lo}-{LENGTH_BINS[i + 1] // 1024}K"
+
+
+def _scores(stats: TokenStats, heads: Heads, length_col: int | None = None) -> dict[str, Any]:
+    """Mean NLL over ``stats``, by example kind, and (``length_col``: the column of the length input in
+    the mixing head's inputs) the continuation examples' by context length (:data:`LENGTH_BINS`)."""
+    from cepe.mixture import LENGTH_UNIT
+
     if not len(stats):
         return {"nll": None, "by_task": {}}
     nll = head_nll(stats, heads)
     by = {TASK_KINDS[k]: float(nll[stats.task == k].mean()) for k in sorted(set(stats.task.tolist()))}
-    return {"nll": float(nll.mean()), "by_task": by}
+    out: dict[str, Any] = {"nll": float(nll.mean()), "by_task": by}
+    if length_col is not None:  # the length as the head reads it (rounded as recorded: bins, not counts)
+        ctx = torch.expm1(stats.x_mix[:, length_col].double()) * LENGTH_UNIT
+        which = torch.bucketize(ctx, torch.tensor(LENGTH_BINS[1:], dtype=torch.float64) - 0.5)
+        lm = stats.task == TASK_KINDS.index("lm")
+        out["lm_by_length"] = {
+            _bin_name(i): float(nll[lm & (which == i)].mean())
+            for i in range(len(LENGTH_BINS))
+            if bool((lm & (which == i)).any())
+        }
+    return out
+
+
+def _side(stats: TokenStats, lp: torch.Tensor, length_col: int | None) -> dict[str, Any]:
+    """One side alone (the decoder, the reader) by kind and length, as :func:`_scores` gives heads'."""
+    if not len(stats):
+        return {}
+    ones = TokenStats(**{**stats.__dict__, "lp_ctx": lp, "lp_dec": lp, "has": torch.zeros_like(stats.has)})
+    zero = Heads(
+        torch.zeros(stats.x_mix.shape[1], dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+    )
+    got = _scores(ones, zero, length_col)  # a mixture of a side with itself is that side
+    return {k: v for k, v in got.items() if k != "nll"}
 
 
 def _named(weights: torch.Tensor | None, names: list[str] | None) -> dict[str, float] | None:
@@ -528,6 +561,8 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     model.eval()
     model.save_pretrained(out / "adapter")
 
+    col = names["mix_head"].index("n") if "n" in names["mix_head"] else None
+
     def nll_of(lp: torch.Tensor) -> float | None:
         return None if not len(test) else float(-lp.double().mean())
 
@@ -543,12 +578,12 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
         "iterations": len(history),
         "objective": {"start": history[0], "fitted": history[-1], "by_iteration": history},
         "held_out": {
-            "fitted": _scores(test, fitted),
-            "fitted, int8": _scores(test, int8_heads(fitted)),
-            "start": _scores(test, start),
-            **{f"compare:{p}": _scores(test, h) for p, h in others.items()},
-            "decoder alone": {"nll": nll_of(test.lp_dec)},
-            "reader alone": {"nll": nll_of(test.lp_ctx)},
+            "fitted": _scores(test, fitted, col),
+            "fitted, int8": _scores(test, int8_heads(fitted), col),
+            "start": _scores(test, start, col),
+            **{f"compare:{p}": _scores(test, h, col) for p, h in others.items()},
+            "decoder alone": {"nll": nll_of(test.lp_dec), **_side(test, test.lp_dec, col)},
+            "reader alone": {"nll": nll_of(test.lp_ctx), **_side(test, test.lp_ctx, col)},
         },
         "fit": {"fitted": _scores(train, fitted), "start": _scores(train, start)},
         "weights": {
@@ -567,7 +602,8 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
 
 
 def report_markdown(result: dict[str, Any]) -> str:
-    """``fit.md``: the held-out table (mean NLL, by kind) and the fitted weights."""
+    """``fit.md``: the held-out tables (mean NLL, by kind; the continuation examples by context length)
+    and the fitted weights."""
     from cepe.tables import pipe_table
 
     held = result["held_out"]
@@ -592,6 +628,25 @@ def report_markdown(result: dict[str, Any]) -> str:
         *pipe_table(["heads", "NLL", "perplexity", *kinds], rows),
         "",
     ]
+    bins = [
+        b
+        for b in map(_bin_name, range(len(LENGTH_BINS)))
+        if any(b in v.get("lm_by_length", {}) for v in held.values())
+    ]
+    if bins:
+        lines += [
+            "Held-out NLL per token of the continuation (lm) examples, by context length:",
+            "",
+            *pipe_table(
+                ["heads", *bins],
+                [
+                    [name, *(f"{v['lm_by_length'][b]:.4f}" if b in v["lm_by_length"] else "-" for b in bins)]
+                    for name, v in held.items()
+                    if "lm_by_length" in v
+                ],
+            ),
+            "",
+        ]
     for head, w in result["weights"].items():
         if w is None:
             continue
