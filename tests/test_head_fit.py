@@ -74,14 +74,17 @@ def _reader(tmp_path):
     return path
 
 
-def test_recorded_stats_give_the_training_loss(tmp_path):
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_recorded_stats_give_the_training_loss(tmp_path, cap):
     """The mean of ``head_nll`` over a batch's records with the model's own heads is the training loss
-    of that batch (``StageModule``), fp32, and its gradient in the heads is the loss's."""
+    of that batch (``StageModule``), fp32, and its gradient in the heads is the loss's; with a soft-capped
+    output head (Gemma's ``final_logit_softcapping``; the training loss then takes the reference path) too."""
     from cepe.training.data import build_example, collate, window_source
     from cepe.training.models import StageModule, build_model
 
     cfg = load_config(_recipe(tmp_path, init_adapter=str(_reader(tmp_path))))
     model = build_model(cfg)
+    model.decoder.config.final_logit_softcapping = cap
     src = window_source(cfg, 128)
     batch = collate([build_example(cfg, src[i], i, None) for i in range(6)])
     stats = record_batch(model, batch, use_bf16=False)

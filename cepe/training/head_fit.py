@@ -237,10 +237,15 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
         sel = labels[:, 1:] != -100  # (B, T-1)
         h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], labels[:, 1:][sel]
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h.dtype
-        with torch.autocast(dev.type, enabled=False):
-            w = HeadWeight().get(model.decoder, dtype)
-            lp_ctx = chunked_target_logprobs(h, w, y)
-            lp_dec = chunked_target_logprobs(h_dec, w, y)
+        if getattr(model.decoder.config, "final_logit_softcapping", None):  # the model's own capped head
+            lp_ctx, lp_dec = (
+                model.lm_logits(x).float().log_softmax(-1).gather(-1, y[:, None])[:, 0] for x in (h, h_dec)
+            )
+        else:
+            with torch.autocast(dev.type, enabled=False):
+                w = HeadWeight().get(model.decoder, dtype)
+                lp_ctx = chunked_target_logprobs(h, w, y)
+                lp_dec = chunked_target_logprobs(h_dec, w, y)
     m = match[:, :-1][sel]  # (N, F) fp32
     x_mix = m.to(h.dtype).float()  # as mix_logit casts its inputs
     x_copy, p_copy, has = None, torch.zeros_like(lp_ctx), torch.zeros_like(y, dtype=torch.bool)
