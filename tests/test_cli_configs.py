@@ -22,7 +22,7 @@ from cepe.eval.config import EvalRunConfig
 from cepe.main_job import MainConfig, run_main
 from cepe.serve_config import AskConfig, ContextAddConfig, ServeConfig, ServeLimits, StoreConfig
 from cepe.training.config import TrainConfig
-from cepe.training.head_fit import HeadFitConfig
+from cepe.training.fit_config import HeadFitConfig
 
 # sub-command -> (its config dataclass, fields that are not flags)
 COMMANDS = {

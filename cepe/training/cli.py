@@ -107,7 +107,8 @@ def _teacher(args: argparse.Namespace) -> int:
 def _fit_heads(args: argparse.Namespace) -> int:
     from cepe.configio import config_from_args
 
-    from .head_fit import HeadFitConfig, print_summary, run_head_fit
+    from .fit_config import HeadFitConfig
+    from .head_fit import print_summary, run_head_fit
 
     print_summary(run_head_fit(config_from_args(HeadFitConfig, args, "fit-heads config")))
     return 0
@@ -190,7 +191,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     from cepe.configio import add_config_flags
 
-    from .head_fit import HeadFitConfig
+    from .fit_config import HeadFitConfig
 
     p = subparsers.add_parser(
         "fit-heads",
