@@ -533,7 +533,9 @@ def copy_mix_logits_ref(
 
 def copy_mix_nll(nll: torch.Tensor, c: torch.Tensor, p_copy: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
     """Per-position negative log-likelihood ``(N,)`` with the copy from the mixture's own ``nll`` ``(N,)``,
-    the copy logit ``(N,)``, the copy's probability of the target ``(N,)`` and where a suffix occurs."""
-    c = c.float()
-    with_copy = -torch.logaddexp(F.logsigmoid(-c) - nll.float(), F.logsigmoid(c) + p_copy.log())
-    return torch.where(has, with_copy, nll.float())
+    the copy logit ``(N,)``, the copy's probability of the target ``(N,)`` and where a suffix occurs (in fp32,
+    or fp64 where an input is)."""
+    dtype = torch.promote_types(torch.promote_types(c.dtype, nll.dtype), torch.float32)  # fp32, or fp64 given
+    c, nll = c.to(dtype), nll.to(dtype)
+    with_copy = -torch.logaddexp(F.logsigmoid(-c) - nll, F.logsigmoid(c) + p_copy.to(dtype).log())
+    return torch.where(has, with_copy, nll)

@@ -273,7 +273,7 @@ def test_held_out_scores_by_kind_and_context_length():
     """The report's breakdown: by example kind, and the continuation examples by the context length the
     length input encodes (log(1 + n / 1024)); a side alone scores its own log-probabilities."""
     from cepe.mixture import length_feature
-    from cepe.training.head_fit import _scores, _side
+    from cepe.training.head_fit import _breakdown, _scores
 
     stats = _synthetic(600, 1)
     ctx = torch.tensor([100, 1500, 3000, 5000, 6500, 8192]).repeat(100)
@@ -286,7 +286,7 @@ def test_held_out_scores_by_kind_and_context_length():
     assert got["by_task"]["copy"] == pytest.approx(float(nll[~lm].mean()))
     assert list(got["lm_by_length"]) == ["0K-1K", "1K-2K", "2K-4K", "4K-6K", "6K-7K", "7K+"]
     assert got["lm_by_length"]["4K-6K"] == pytest.approx(float(nll[lm & (ctx == 5000)].mean()))
-    alone = _side(stats, stats.lp_dec, 1)
+    alone = _breakdown(stats, -stats.lp_dec, 1)
     assert alone["by_task"]["lm"] == pytest.approx(float(-stats.lp_dec[lm].double().mean()), rel=1e-9)
     assert alone["lm_by_length"]["7K+"] == pytest.approx(
         float(-stats.lp_dec[lm & (ctx == 8192)].double().mean()), rel=1e-9

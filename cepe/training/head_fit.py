@@ -10,7 +10,7 @@ read) and the heads are fitted on them to convergence by L-BFGS, instead of by t
 
 Every ``held_out_every``-th example (by index) is held out of the fit and scored: the fitted heads, the
 heads the recipe starts from, and the heads of other adapters with the same inputs (``compare``) on the same
-tokens, by example kind. Outputs in ``output_dir``: ``stats/`` (the records, one file per step: a rerun
+tokens, by example kind and (continuation examples) by context length. Outputs in ``output_dir``: ``stats/`` (the records, one file per step: a rerun
 skips the steps recorded), ``adapter/`` (the model with the fitted heads), ``fit.json``, ``fit.md`` and
 ``fit.png`` (the objective by iteration).
 
@@ -89,7 +89,8 @@ class Heads:
     @staticmethod
     def of(model: nn.Module) -> Heads:
         """The heads of ``model`` (a :class:`~cepe.modeling.CepeForCausalLM` with the output mixture)."""
-        return Heads.from_state({k: v for k, v in model.state_dict().items() if k.split(".")[0] in HEADS})
+        heads = {h: getattr(model, h) for h in HEADS if getattr(model, h) is not None}
+        return Heads.from_state({f"{h}.{k}": v for h, m in heads.items() for k, v in m.state_dict().items()})
 
     @staticmethod
     def from_state(state: dict[str, torch.Tensor]) -> Heads:
@@ -121,15 +122,25 @@ class Heads:
 def head_nll(stats: TokenStats, heads: Heads) -> torch.Tensor:
     """The mixture's negative log-likelihood ``(N,)`` (fp64) at the recorded tokens under ``heads``: what
     the training loss computes (``cepe.training.speed.mixture_token_nll``) from the same numbers."""
-    import torch.nn.functional as F
+    from cepe.mixture import copy_mix_nll, mix_nll
 
-    a = stats.x_mix.double() @ heads.w_mix + heads.b_mix  # (N,)
-    nll = -torch.logaddexp(F.logsigmoid(a) + stats.lp_ctx.double(), F.logsigmoid(-a) + stats.lp_dec.double())
+    nll = mix_nll(stats.lp_ctx, stats.lp_dec, stats.x_mix.double() @ heads.w_mix + heads.b_mix)  # (N,)
     if heads.w_copy is None or stats.x_copy is None:
         return nll
-    c = stats.x_copy.double() @ heads.w_copy + heads.b_copy  # (N,) as cepe.mixture.copy_mix_nll, in fp64
-    with_copy = -torch.logaddexp(F.logsigmoid(-c) - nll, F.logsigmoid(c) + stats.p_copy.double().log())
-    return torch.where(stats.has, with_copy, nll)
+    c = stats.x_copy.double() @ heads.w_copy + heads.b_copy  # (N,)
+    return copy_mix_nll(nll, c, stats.p_copy, stats.has)
+
+
+def head_names(c: Any, hidden_size: int) -> dict[str, list[str] | None]:
+    """The inputs of each head (:func:`cepe.mixture.head_inputs`) of a :class:`~cepe.config.CepeConfig`
+    ``c``; None for a head it does not have."""
+    from cepe.mixture import head_inputs
+
+    shared = (hidden_size, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
+    return {
+        "mix_head": head_inputs(*shared) if c.output_mix else None,
+        "copy_head": head_inputs(*shared, c.mix_copy_prob, c.mix_copy_near) if c.mix_copy else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------- recording
@@ -363,27 +374,15 @@ def fit(
 
 
 # ------------------------------------------------------------------------------------------------ the job
-def _compare_heads(path: str, names: dict[str, list[str]]) -> Heads:
+def _compare_heads(path: str, names: dict[str, list[str] | None], hidden_size: int) -> Heads:
     """The heads of adapter ``path``, checked to take the inputs ``names`` (per head) of the recipe's."""
     from cepe.config import CepeConfig
-    from cepe.mixture import head_inputs
     from cepe.modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file
 
     p = Path(path)
     if not (p / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"compare: {p / ADAPTER_CONFIG} not found; give a cepe adapter directory")
-    c = CepeConfig.load(p / ADAPTER_CONFIG)
-    d = names["hidden_size"]
-    theirs = {
-        "mix_head": head_inputs(d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
-        if c.output_mix
-        else None,
-        "copy_head": head_inputs(
-            d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, c.mix_copy_prob, c.mix_copy_near
-        )
-        if c.mix_copy
-        else None,
-    }
+    theirs = head_names(CepeConfig.load(p / ADAPTER_CONFIG), hidden_size)
     for head in HEADS:
         if theirs[head] != names[head]:
             raise ValueError(
@@ -421,15 +420,24 @@ def _bin_name(i: int) -> str:
 
 
 def _scores(stats: TokenStats, heads: Heads, length_col: int | None = None) -> dict[str, Any]:
-    """Mean NLL over ``stats``, by example kind, and (``length_col``: the column of the length input in
-    the mixing head's inputs) the continuation examples' by context length (:data:`LENGTH_BINS`)."""
-    from cepe.mixture import LENGTH_UNIT
-
+    """Mean NLL of ``heads`` over ``stats`` and its :func:`_breakdown`."""
     if not len(stats):
         return {"nll": None, "by_task": {}}
     nll = head_nll(stats, heads)
-    by = {TASK_KINDS[k]: float(nll[stats.task == k].mean()) for k in sorted(set(stats.task.tolist()))}
-    out: dict[str, Any] = {"nll": float(nll.mean()), "by_task": by}
+    return {"nll": float(nll.mean()), **_breakdown(stats, nll, length_col)}
+
+
+def _breakdown(stats: TokenStats, nll: torch.Tensor, length_col: int | None) -> dict[str, Any]:
+    """A per-token NLL ``(N,)`` by example kind and (``length_col``: the column of the length input in
+    the mixing head's inputs) the continuation examples' by context length (:data:`LENGTH_BINS`)."""
+    from cepe.mixture import LENGTH_UNIT
+
+    nll = nll.double()
+    out: dict[str, Any] = {
+        "by_task": {
+            TASK_KINDS[k]: float(nll[stats.task == k].mean()) for k in sorted(set(stats.task.tolist()))
+        }
+    }
     if length_col is not None:  # the length as the head reads it (rounded as recorded: bins, not counts)
         ctx = torch.expm1(stats.x_mix[:, length_col].double()) * LENGTH_UNIT
         which = torch.bucketize(ctx, torch.tensor(LENGTH_BINS[1:], dtype=torch.float64) - 0.5)
@@ -442,18 +450,6 @@ def _scores(stats: TokenStats, heads: Heads, length_col: int | None = None) -> d
     return out
 
 
-def _side(stats: TokenStats, lp: torch.Tensor, length_col: int | None) -> dict[str, Any]:
-    """One side alone (the decoder, the reader) by kind and length, as :func:`_scores` gives heads'."""
-    if not len(stats):
-        return {}
-    ones = TokenStats(**{**stats.__dict__, "lp_ctx": lp, "lp_dec": lp, "has": torch.zeros_like(stats.has)})
-    zero = Heads(
-        torch.zeros(stats.x_mix.shape[1], dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
-    )
-    got = _scores(ones, zero, length_col)  # a mixture of a side with itself is that side
-    return {k: v for k, v in got.items() if k != "nll"}
-
-
 def _named(weights: torch.Tensor | None, names: list[str] | None) -> dict[str, float] | None:
     return (
         None if weights is None or names is None else {n: round(float(w), 6) for n, w in zip(names, weights)}
@@ -463,7 +459,6 @@ def _named(weights: torch.Tensor | None, names: list[str] | None) -> dict[str, f
 def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     """Record, fit, score and write (see the module's docstring); returns what ``fit.json`` holds."""
     from cepe.fileio import write_json, write_text
-    from cepe.mixture import head_inputs
 
     from .config import load_config
     from .models import build_model
@@ -476,15 +471,7 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     model = build_model(recipe)
     c = model.cepe_config
     d = int(model.decoder.config.hidden_size)
-    names = {
-        "hidden_size": d,
-        "mix_head": head_inputs(d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree),
-        "copy_head": head_inputs(
-            d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, c.mix_copy_prob, c.mix_copy_near
-        )
-        if c.mix_copy
-        else None,
-    }
+    names = head_names(c, d)
     unknown = sorted(
         f for f in cfg.fixed if not any(f in (n, f"{h}:{n}") for h in HEADS for n in names[h] or [])
     )
@@ -493,7 +480,7 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             f"fixed: {unknown} are no inputs of this recipe's heads; they take "
             f"{_describe(names['mix_head'])} and {_describe(names['copy_head'])}"
         )
-    others = {path: _compare_heads(path, names) for path in cfg.compare}  # fail before the long part
+    others = {path: _compare_heads(path, names, d) for path in cfg.compare}  # fail before the long part
     stats = record(recipe, model, Path(cfg.records) if cfg.records else out / STATS_DIR, steps, cfg.progress)
     recorded_s = time.time() - t0
     held = (
@@ -518,9 +505,6 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
 
     col = names["mix_head"].index("n") if "n" in names["mix_head"] else None
 
-    def nll_of(lp: torch.Tensor) -> float | None:
-        return None if not len(test) else float(-lp.double().mean())
-
     result: dict[str, Any] = {
         "config": asdict(cfg),
         "recipe": recipe.output_dir,
@@ -537,8 +521,12 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             "fitted, int8": _scores(test, int8_heads(fitted), col),
             "start": _scores(test, start, col),
             **{f"compare:{p}": _scores(test, h, col) for p, h in others.items()},
-            "decoder alone": {"nll": nll_of(test.lp_dec), **_side(test, test.lp_dec, col)},
-            "reader alone": {"nll": nll_of(test.lp_ctx), **_side(test, test.lp_ctx, col)},
+            **{
+                name: {"nll": None}
+                if not len(test)
+                else {"nll": float(-lp.double().mean()), **_breakdown(test, -lp, col)}
+                for name, lp in (("decoder alone", test.lp_dec), ("reader alone", test.lp_ctx))
+            },
         },
         "fit": {"fitted": _scores(train, fitted), "start": _scores(train, start)},
         "weights": {
