@@ -54,6 +54,80 @@ def test_fixedppl_targets_do_not_move(setup):
     assert _by(rows, context=128)["cepe"] != pytest.approx(at0["cepe"], rel=1e-4)  # the context is read
 
 
+def test_fixedppl_steps_are_paired_over_sequences(setup):
+    """Per-sequence NLLs give back each row's perplexity; the steps pair them between context lengths."""
+    cfg = {
+        "sources": [{"documents": _docs(4)}],
+        "contexts": [0, 64, 128],
+        "decoder_window": 48,
+        "eval_tokens": 16,
+        "chunk_length": 32,
+        "sequences": 3,
+    }
+    result = run_task("fixedppl", setup, cfg)
+    for r in result["rows"]:
+        per = r["nll_per_sequence"]
+        assert len(per) == r["n"] == 3
+        assert math.exp(sum(per) / len(per)) == pytest.approx(r["value"], rel=1e-12)
+    # which document and offset each sequence comes from, in the rows' order: the same draw as the scoring
+    from cepe.eval.tasks.fixedppl import fixed_sequences
+
+    docs = {d["id"]: setup.encode(d["text"]) for d in cfg["sources"][0]["documents"]}
+    seqs = fixed_sequences(
+        list(docs.values()), FixedConfig(**{k: v for k, v in cfg.items() if k != "sources"})
+    )
+    origin = result["sequences"]
+    assert len(origin) == 3 and len({q["document"] for q in origin}) == 3
+    assert all(q["source"] == "inline" for q in origin)
+    for q, seq in zip(origin, seqs):
+        assert docs[q["document"]][q["offset"] : q["offset"] + len(seq)] == seq
+    steps = result["steps"]
+    assert [(s["method"], s["from"], s["to"]) for s in steps if s["method"] == "cepe"] == [
+        ("cepe", 0, 64),
+        ("cepe", 64, 128),
+    ]
+    rows = {(r["method"], r["setting"]["context"]): r for r in result["rows"]}
+    for s in steps:
+        a, b = rows[(s["method"], s["from"])], rows[(s["method"], s["to"])]
+        assert s["delta_nll"] == pytest.approx(math.log(b["value"]) - math.log(a["value"]), abs=1e-12)
+        assert s["low"] <= s["delta_nll"] <= s["high"]
+        assert s["verdict"] == ("falls" if s["high"] < 0 else "rises" if s["low"] > 0 else "unresolved")
+    # truncated never reads the context: every step is exactly zero
+    assert all(s["delta_nll"] == s["low"] == s["high"] == 0.0 for s in steps if s["method"] == "truncated")
+    assert "paired bootstrap" in result["extra_markdown"] and "| cepe | 0 → 64 |" in result["extra_markdown"]
+
+
+def test_paired_bootstrap_interval():
+    from cepe.eval.metrics import paired_bootstrap
+
+    before = [2.0, 3.0, 1.5, 2.5, 4.0, 3.5]
+    after = [b - 0.5 for b in before]  # the same change on every item: the interval is that point
+    assert paired_bootstrap(before, after) == pytest.approx((-0.5, -0.5, -0.5))
+    after = [1.0, 3.5, 1.0, 2.9, 3.0, 3.6]
+    mean, lo, hi = paired_bootstrap(before, after, resamples=4000, seed=3)
+    diffs = [b - a for a, b in zip(before, after)]
+    assert mean == pytest.approx(sum(diffs) / len(diffs))
+    assert min(diffs) < lo < mean < hi < max(diffs)
+    assert paired_bootstrap(before, after, resamples=4000, seed=3) == (mean, lo, hi)  # seeded
+    narrow = paired_bootstrap(before, after, resamples=4000, seed=3, level=0.5)
+    assert lo < narrow[1] <= narrow[2] < hi
+    # a normal approximation: the 95 % interval is about mean ± 1.96 sd / sqrt(n)
+    import random
+
+    rng = random.Random(0)
+    xs = [rng.gauss(0.0, 1.0) for _ in range(400)]
+    ys = [x + rng.gauss(0.3, 1.0) for x in xs]
+    m, lo, hi = paired_bootstrap(xs, ys, resamples=2000)
+    sd = (sum((y - x - m) ** 2 for x, y in zip(xs, ys)) / (len(xs) - 1)) ** 0.5
+    assert hi - lo == pytest.approx(2 * 1.96 * sd / len(xs) ** 0.5, rel=0.1)
+    with pytest.raises(ValueError, match="match in number"):
+        paired_bootstrap([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        paired_bootstrap([], [])
+    with pytest.raises(ValueError, match="level"):
+        paired_bootstrap([1.0], [1.0], level=1.0)
+
+
 def test_copy_probe_matches_hand_computation(setup):
     docs = _docs(2)
     cfg = {

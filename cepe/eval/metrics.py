@@ -1,5 +1,5 @@
-"""Evaluation metrics: answer normalisation, exact match, token F1, ROUGE-L, perplexity and the
-label-scoring variants used for in-context classification.
+"""Evaluation metrics: answer normalisation, exact match, token F1, ROUGE-L, perplexity, the
+label-scoring variants used for in-context classification and a paired bootstrap interval.
 
 All text metrics take plain strings; scoring helpers take per-token log-probabilities ``(T,)``.
 """
@@ -7,6 +7,7 @@ All text metrics take plain strings; scoring helpers take per-token log-probabil
 from __future__ import annotations
 
 import math
+import random
 import re
 import string
 from collections import Counter
@@ -110,6 +111,41 @@ def perplexity(total_nll: float, num_tokens: int) -> float:
     if num_tokens <= 0:
         raise ValueError("perplexity needs at least one scored token")
     return math.exp(total_nll / num_tokens)
+
+
+def paired_bootstrap(
+    before: Sequence[float],
+    after: Sequence[float],
+    *,
+    resamples: int = 10_000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Mean of ``after - before`` over paired items and its percentile bootstrap interval.
+
+    Items (sequences, documents) are resampled with replacement, ``resamples`` times, with a seeded
+    generator, so the interval is reproducible. Use it for a change between two settings scored on the
+    same items: the pairs remove what the items share.
+
+    Returns:
+        ``(mean, low, high)``: the mean difference and the ``level`` interval's bounds.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired values must match in number, got {len(before)} and {len(after)}")
+    if not before:
+        raise ValueError("paired_bootstrap needs at least one pair")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    diffs = [float(b) - float(a) for a, b in zip(before, after)]
+    n = len(diffs)
+    rng = random.Random(seed)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    lo = means[min(resamples - 1, int(math.floor(tail * resamples)))]
+    hi = means[min(resamples - 1, int(math.ceil((1.0 - tail) * resamples)) - 1)]
+    return sum(diffs) / n, lo, hi
 
 
 SCORING_VARIANTS = ("ll", "ll_norm", "pmi", "pmi_norm")

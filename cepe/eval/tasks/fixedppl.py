@@ -5,6 +5,13 @@ much of the text before it the model gets: ``contexts`` tokens (0, 512, ..., 32K
 its encoder; ``full`` and ``streamingllm`` read it in the decoder, ``replug`` as pieces, ``truncated``
 never. Because the scored tokens and the window never change, a falling curve shows that the context is
 read (the ``lm`` task moves its windows between totals, so its columns cannot show this).
+
+Each row keeps its sequences' per-token NLL (``nll_per_sequence``, in the order of the result's
+``sequences``: each one's source, document id and token offset), and the
+result's ``steps`` compare each context length with the next shorter one on the same sequences: the mean
+change in nats per token and its 95 % paired bootstrap interval over sequences (``cepe.eval.metrics.
+paired_bootstrap``), so that a rise or fall of a few tenths of a percent on a handful of sequences can be
+told from noise.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from typing import Any
 
 from cepe.eval.common import EvalSetup, chunk_tail_aligned, iter_source, limit_items, run_examples
 from cepe.eval.methods import standard_request
+from cepe.eval.metrics import paired_bootstrap
+from cepe.tables import pipe_table
 
 DEFAULT_SOURCES = [{"name": "essays", "corpus": "essays"}]
 
@@ -62,9 +71,12 @@ class Config:
             raise ValueError(f"per_document must be >= 1 (sequences per document), got {self.per_document}")
 
 
-def fixed_sequences(docs: list[list[int]], cfg: Config) -> list[list[int]]:
+def fixed_sequences(
+    docs: list[list[int]], cfg: Config, origins: list[tuple[int, int]] | None = None
+) -> list[list[int]]:
     """Sequences of ``max(contexts) + decoder_window`` tokens from the long-enough documents (at most
-    ``per_document`` from each, at non-overlapping offsets)."""
+    ``per_document`` from each, at non-overlapping offsets). With ``origins`` given, each sequence's
+    ``(document index, token offset)`` is appended to it, in the same order."""
     need = max(cfg.contexts) + cfg.decoder_window
     rng = random.Random(cfg.seed)
     order = [i for i, d in enumerate(docs) if len(d) >= need]
@@ -74,6 +86,8 @@ def fixed_sequences(docs: list[list[int]], cfg: Config) -> list[list[int]]:
         for i in order[: cfg.sequences]:
             off = rng.randint(0, len(docs[i]) - need)
             out.append(list(docs[i][off : off + need]))
+            if origins is not None:
+                origins.append((i, off))
         return out
     for i in order:
         parts = min(cfg.per_document, len(docs[i]) // need)
@@ -83,15 +97,22 @@ def fixed_sequences(docs: list[list[int]], cfg: Config) -> list[list[int]]:
                 return out
             off = p * size + rng.randint(0, size - need)
             out.append(list(docs[i][off : off + need]))
+            if origins is not None:
+                origins.append((i, off))
     return out
 
 
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     """Perplexity of the fixed targets for every method and context length."""
     docs: list[list[int]] = []
+    names: list[dict[str, Any]] = []
     for src in cfg.sources:
-        docs.extend(setup.encode(d["text"]) for d in iter_source({"max_documents": cfg.max_documents, **src}))
-    seqs = limit_items(fixed_sequences(docs, cfg), None, setup)
+        for d in iter_source({"max_documents": cfg.max_documents, **src}):
+            docs.append(setup.encode(d["text"]))
+            names.append({"source": d.get("domain", src.get("name")), "document": d.get("id")})
+    origins: list[tuple[int, int]] = []
+    seqs = limit_items(fixed_sequences(docs, cfg, origins), None, setup)
+    sequences = [{**names[i], "offset": off} for i, off in origins[: len(seqs)]]
     notes = []
     if not seqs:
         notes.append(f"no document has {max(cfg.contexts) + cfg.decoder_window} tokens; nothing scored")
@@ -123,7 +144,85 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                     "metric": "ppl",
                     "value": math.exp(sum(nll) / (len(seqs) * cfg.eval_tokens)),
                     "n": len(seqs),
+                    "nll_per_sequence": [x / cfg.eval_tokens for x in nll],
                     **cost,
                 }
             )
-    return {"task": "fixedppl", "rows": rows, "notes": notes, "plot_x": "context"}
+    steps = context_steps(rows)
+    return {
+        "task": "fixedppl",
+        "rows": rows,
+        "steps": steps,
+        "sequences": sequences,
+        "notes": notes,
+        "plot_x": "context",
+        "extra_markdown": steps_table(steps),
+    }
+
+
+STEP_LEVEL = 0.95
+STEP_RESAMPLES = 10_000
+
+
+def context_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each method's change from one context length to the next longer one, on the same sequences.
+
+    Returns:
+        One entry per method and step: ``method``, ``from`` / ``to`` (context tokens), ``ppl_from`` /
+        ``ppl_to``, ``delta_nll`` (mean per-token NLL change, nats; negative = the longer context helps),
+        ``low`` / ``high`` (its paired bootstrap interval at ``level``), ``level`` and ``verdict``:
+        ``falls`` (the whole interval below 0), ``rises`` (above 0) or ``unresolved``.
+    """
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_method.setdefault(r["method"], []).append(r)
+    out = []
+    for method, rs in by_method.items():
+        rs = sorted(rs, key=lambda r: r["setting"]["context"])
+        for a, b in zip(rs, rs[1:]):
+            mean, lo, hi = paired_bootstrap(
+                a["nll_per_sequence"], b["nll_per_sequence"], resamples=STEP_RESAMPLES, level=STEP_LEVEL
+            )
+            verdict = "falls" if hi < 0 else "rises" if lo > 0 else "unresolved"
+            out.append(
+                {
+                    "method": method,
+                    "from": a["setting"]["context"],
+                    "to": b["setting"]["context"],
+                    "ppl_from": a["value"],
+                    "ppl_to": b["value"],
+                    "delta_nll": mean,
+                    "low": lo,
+                    "high": hi,
+                    "level": STEP_LEVEL,
+                    "verdict": verdict,
+                }
+            )
+    return out
+
+
+def steps_table(steps: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`context_steps` (empty string when there are none)."""
+    if not steps:
+        return ""
+    pct = round(100 * steps[0]["level"])
+    lines = [
+        f"Steps: change in NLL per token (nats) from each context length to the next, on the same sequences, "
+        f"with its {pct} % paired bootstrap interval over sequences",
+        "",
+    ]
+    lines += pipe_table(
+        ["method", "context", "ppl", "Δ nats/token", f"{pct} % interval", "verdict"],
+        (
+            [
+                s["method"],
+                f"{s['from']} → {s['to']}",
+                f"{s['ppl_from']:.3f} → {s['ppl_to']:.3f}",
+                f"{s['delta_nll']:+.4f}",
+                f"[{s['low']:+.4f}, {s['high']:+.4f}]",
+                s["verdict"],
+            ]
+            for s in steps
+        ),
+    )
+    return "\n".join(lines) + "\n"
