@@ -207,3 +207,51 @@ def test_int8_adapter_storage(tmp_path):
     assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
     with pytest.raises(ValueError, match="quantize must be"):
         model.save_pretrained(tmp_path / "x", quantize="int4")
+
+
+def test_int8_group_storage(tmp_path):
+    """int8-g64: a scale per 64 columns; each element within half its group's step, never worse than per
+    row, weights whose columns do not split into groups keep per-row scales, and a saved adapter loads."""
+    from cepe.quant import (
+        GROUP_SCALE_SUFFIX,
+        SCALE_SUFFIX,
+        dequantize_int8_rowwise,
+        quantize_int8,
+        quantize_int8_groupwise,
+        quantize_int8_rowwise,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 256, generator=g)
+    w[2, 5] = 40.0  # one outlier coarsens its whole row under per-row scales, one group under groups
+    state = {"big": w, "odd": torch.randn(4, 100, generator=g), "norm": torch.randn(7, generator=g)}
+    q = quantize_int8_groupwise(state)
+    assert q["big"].dtype == torch.int8 and q["big" + GROUP_SCALE_SUFFIX].shape == (6, 4)
+    assert "odd" + SCALE_SUFFIX in q and "odd" + GROUP_SCALE_SUFFIX not in q  # 100 columns: per row
+    back = dequantize_int8_rowwise(q)
+    assert set(back) == set(state) and torch.equal(back["norm"], state["norm"])
+    step = w.reshape(6, 4, 64).abs().amax(-1, keepdim=True) / 127
+    assert ((back["big"] - w).reshape(6, 4, 64).abs() <= step / 2 + 1e-6).all()
+    row = dequantize_int8_rowwise(quantize_int8_rowwise(state))
+    err_g, err_r = (back["big"] - w).abs(), (row["big"] - w).abs()
+    assert err_g[2].max() <= err_r[2].max() + 1e-6 and err_g[2, 64:].max() < err_r[2, 64:].max() / 10
+    assert torch.equal(back["odd"], row["odd"])
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_int8(state, "int4")
+    bad = dict(q)
+    bad["big" + GROUP_SCALE_SUFFIX] = q["big" + GROUP_SCALE_SUFFIX][:, :3]
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_int8_rowwise(bad)
+
+    dec_dir = tmp_path / "decoder"
+    tiny_decoder().save_pretrained(dec_dir)
+    model = CepeForCausalLM.from_decoder(str(dec_dir), tiny_cepe_config()).eval()
+    randomize_cross(model)
+    model.save_pretrained(tmp_path / "g", quantize="int8-g64")
+    raw = load_file(tmp_path / "g" / ADAPTER_WEIGHTS)
+    names = {k for k in raw if not k.endswith((SCALE_SUFFIX, GROUP_SCALE_SUFFIX))}
+    assert names == _expected_keys(model)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path / "g").eval()
+    want = dequantize_int8_rowwise(quantize_int8_groupwise(model.adapter_state_dict()))
+    for k, v in loaded.adapter_state_dict().items():
+        assert torch.equal(v, want[k].to(v.dtype)), k

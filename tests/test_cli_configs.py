@@ -240,10 +240,17 @@ def test_main_generate_export_info_flags_kept():
     assert GenerateConfig("x") == GenerateConfig("x", "default", None, 64, 0, None, True)  # the old defaults
     args = _args(["export", "--model", "a", "--out", "b", "--quantize", "int8", "--decoder-name", "default"])
     assert config_from_args(ExportConfig, args) == ExportConfig("a", "b", "int8", "default")
+    args = _args(["export", "--model", "a", "--out", "b", "--quantize", "int8-g64"])
+    assert config_from_args(ExportConfig, args) == ExportConfig("a", "b", "int8-g64")
     args = _args(["export", "--model", "a", "--out", "b", "--drop-mixture"])
     assert config_from_args(ExportConfig, args) == ExportConfig("a", "b", drop_mixture=True)
     assert config_from_args(InfoConfig, _args(["info"])) == InfoConfig("default")
-    for argv in (["generate"], ["export", "--model", "a"], ["generate", "--prompt", "p", "--cache", "kvv"]):
+    for argv in (
+        ["generate"],
+        ["export", "--model", "a"],
+        ["generate", "--prompt", "p", "--cache", "kvv"],
+        ["export", "--model", "a", "--out", "b", "--quantize", "int4"],
+    ):
         with pytest.raises(SystemExit):  # required flags and choices are the parser's
             _args(argv)
 
