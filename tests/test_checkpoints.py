@@ -183,13 +183,19 @@ def test_pickles_load_weights_only(tmp_path, monkeypatch):
     assert seen["weights_only"] is True
 
 
-def test_int8_adapter_storage(tmp_path):
-    from cepe.quant import SCALE_SUFFIX
-
+def _random_adapter(tmp_path):
+    """A tiny CEPE model over a saved tiny decoder, its cross-attention random (a zero o_proj is no test)."""
     dec_dir = tmp_path / "decoder"
     tiny_decoder().save_pretrained(dec_dir)
     model = CepeForCausalLM.from_decoder(str(dec_dir), tiny_cepe_config()).eval()
     randomize_cross(model)
+    return model
+
+
+def test_int8_adapter_storage(tmp_path):
+    from cepe.quant import SCALE_SUFFIX
+
+    model = _random_adapter(tmp_path)
     model.save_pretrained(tmp_path / "q", quantize="int8")
     raw = load_file(tmp_path / "q" / ADAPTER_WEIGHTS)
     assert raw["encoder.embed_tokens.weight"].dtype == torch.int8
@@ -243,10 +249,7 @@ def test_int8_group_storage(tmp_path):
     with pytest.raises(ValueError, match="do not fit"):
         dequantize_int8_rowwise(bad)
 
-    dec_dir = tmp_path / "decoder"
-    tiny_decoder().save_pretrained(dec_dir)
-    model = CepeForCausalLM.from_decoder(str(dec_dir), tiny_cepe_config()).eval()
-    randomize_cross(model)
+    model = _random_adapter(tmp_path)
     model.save_pretrained(tmp_path / "g", quantize="int8-g64")
     raw = load_file(tmp_path / "g" / ADAPTER_WEIGHTS)
     names = {k for k in raw if not k.endswith((SCALE_SUFFIX, GROUP_SCALE_SUFFIX))}
