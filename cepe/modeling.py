@@ -41,7 +41,7 @@ from .mixture import (
     mix_logits,
     widen_head,
 )
-from .quant import QUANT_MODES, dequantize_int8_rowwise, quantize_int8
+from .quant import QUANT_MODES, dequantize_int8, quantize_int8
 from .wrapping import ContextSlot, attach_cross_attention, decoder_layers, family_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -1188,7 +1188,7 @@ def load_adapter_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         return tensors
     if quant not in QUANT_MODES.values():
         raise ValueError(f"{path}: unknown adapter quantization {quant!r}")
-    return dequantize_int8_rowwise(tensors)
+    return dequantize_int8(tensors)
 
 
 def packed_positions(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

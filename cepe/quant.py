@@ -46,7 +46,7 @@ def quantize_int8_groupwise(
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         w = w.detach().float()
-        if w.dim() != 2 or w.shape[1] % group or w.shape[1] == group:
+        if w.dim() != 2 or w.shape[1] % group:
             out.update(quantize_int8_rowwise({name: w}))
             continue
         r, c = w.shape
@@ -66,7 +66,7 @@ def quantize_int8(state: dict[str, torch.Tensor], mode: str) -> tuple[dict[str, 
     return tensors, QUANT_MODES[mode]
 
 
-def dequantize_int8_rowwise(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of :func:`quantize_int8_rowwise` and :func:`quantize_int8_groupwise` (fp32 tensors under the
     original names; each weight by the scales stored next to it)."""
     out: dict[str, torch.Tensor] = {}

@@ -221,7 +221,7 @@ def test_int8_group_storage(tmp_path):
     from cepe.quant import (
         GROUP_SCALE_SUFFIX,
         SCALE_SUFFIX,
-        dequantize_int8_rowwise,
+        dequantize_int8,
         quantize_int8,
         quantize_int8_groupwise,
         quantize_int8_rowwise,
@@ -234,11 +234,11 @@ def test_int8_group_storage(tmp_path):
     q = quantize_int8_groupwise(state)
     assert q["big"].dtype == torch.int8 and q["big" + GROUP_SCALE_SUFFIX].shape == (6, 4)
     assert "odd" + SCALE_SUFFIX in q and "odd" + GROUP_SCALE_SUFFIX not in q  # 100 columns: per row
-    back = dequantize_int8_rowwise(q)
+    back = dequantize_int8(q)
     assert set(back) == set(state) and torch.equal(back["norm"], state["norm"])
     step = w.reshape(6, 4, 64).abs().amax(-1, keepdim=True) / 127
     assert ((back["big"] - w).reshape(6, 4, 64).abs() <= step / 2 + 1e-6).all()
-    row = dequantize_int8_rowwise(quantize_int8_rowwise(state))
+    row = dequantize_int8(quantize_int8_rowwise(state))
     err_g, err_r = (back["big"] - w).abs(), (row["big"] - w).abs()
     assert err_g[2].max() <= err_r[2].max() + 1e-6 and err_g[2, 64:].max() < err_r[2, 64:].max() / 10
     assert torch.equal(back["odd"], row["odd"])
@@ -247,7 +247,7 @@ def test_int8_group_storage(tmp_path):
     bad = dict(q)
     bad["big" + GROUP_SCALE_SUFFIX] = q["big" + GROUP_SCALE_SUFFIX][:, :3]
     with pytest.raises(ValueError, match="do not fit"):
-        dequantize_int8_rowwise(bad)
+        dequantize_int8(bad)
 
     model = _random_adapter(tmp_path)
     model.save_pretrained(tmp_path / "g", quantize="int8-g64")
@@ -255,6 +255,6 @@ def test_int8_group_storage(tmp_path):
     names = {k for k in raw if not k.endswith((SCALE_SUFFIX, GROUP_SCALE_SUFFIX))}
     assert names == _expected_keys(model)
     loaded = CepeForCausalLM.from_pretrained(tmp_path / "g").eval()
-    want = dequantize_int8_rowwise(quantize_int8_groupwise(model.adapter_state_dict()))
+    want = dequantize_int8(quantize_int8_groupwise(model.adapter_state_dict()))
     for k, v in loaded.adapter_state_dict().items():
         assert torch.equal(v, want[k].to(v.dtype)), k

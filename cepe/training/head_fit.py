@@ -395,10 +395,10 @@ def _compare_heads(path: str, names: dict[str, list[str] | None], hidden_size: i
 def int8_heads(heads: Heads) -> Heads:
     """``heads`` as an adapter exported with ``quantize="int8"`` holds them (:mod:`cepe.quant`: each weight
     row in int8 with its scale, the biases in fp32)."""
-    from cepe.quant import dequantize_int8_rowwise, quantize_int8_rowwise
+    from cepe.quant import dequantize_int8, quantize_int8_rowwise
 
     ws = {"m": heads.w_mix[None]} | ({} if heads.w_copy is None else {"c": heads.w_copy[None]})
-    back = dequantize_int8_rowwise(quantize_int8_rowwise(ws))
+    back = dequantize_int8(quantize_int8_rowwise(ws))
     w_copy = None if heads.w_copy is None else back["c"][0].double()
     return Heads(back["m"][0].double(), heads.b_mix, w_copy, heads.b_copy)
 
