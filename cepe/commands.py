@@ -108,6 +108,7 @@ def describe_model(cfg: InfoConfig) -> dict[str, Any]:
             "copy": c.mix_copy,
             "copy_probability_input": c.mix_copy_prob,
             "copy_recency_input": c.mix_copy_near,
+            "copy_reader_sure_input": c.mix_copy_sure,
             "decoder_passes_per_call": 2,
         }
     return {

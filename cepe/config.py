@@ -219,6 +219,12 @@ class CepeConfig:
             context's end the matched suffix last occurs, ``log(1 + d / 64) / 4``
             (``cepe.mixture.copy_recency_feature``), so that μ can trust a match in the text just read
             more than one from far back. Its weight starts at zero, as ``mix_copy_prob``'s.
+        mix_copy_sure: with ``mix_copy``, one more input to the copy head alone: how sure the reader (the
+            side with the context) is of its own next token, ``max(log max_y p_cepe(y), −16) / 8``
+            (``cepe.mixture.reader_sure_feature``), so that μ can give way where the reader already knows
+            what comes next and a short match spreads the copy over wrong successors (a table whose keys
+            recur). It moves with the reader alone, not with the heads, so ``cepe fit-heads`` can record
+            it. Its weight starts at zero, as ``mix_copy_prob``'s.
     """
 
     encoder: EncoderConfig
@@ -255,6 +261,7 @@ class CepeConfig:
     mix_copy: bool = False
     mix_copy_prob: bool = False
     mix_copy_near: bool = False
+    mix_copy_sure: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -342,6 +349,11 @@ class CepeConfig:
             not self.mix_copy_near or self.mix_copy,
             "mix_copy_near is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
             "or mix_copy_near: false",
+        )
+        check(
+            not self.mix_copy_sure or self.mix_copy,
+            "mix_copy_sure is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
+            "or mix_copy_sure: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

@@ -41,17 +41,19 @@ def head_inputs(
     agree: bool = False,
     prob: bool = False,
     near: bool = False,
+    sure: bool = False,
 ) -> list[str]:
     """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
     ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
     successor agreements (``agree``), and for the copy head ``p`` the mixture's probability of the copy's
     tokens (``prob``: :func:`copy_agreement_feature`) and ``r`` how far back the copied suffix last
-    occurs (``near``: :func:`copy_recency_feature`)."""
+    occurs (``near``: :func:`copy_recency_feature`) and ``u`` how sure the reader is of its next token
+    (``sure``: :func:`reader_sure_feature`)."""
     names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
     names += [f"a{k}" for k in range(1, match + 1)] if agree else []
-    return names + (["p"] if prob else []) + (["r"] if near else [])
+    return names + (["p"] if prob else []) + (["r"] if near else []) + (["u"] if sure else [])
 
 
 def mix_head(inputs: list[str], like: torch.Tensor) -> nn.Linear:
@@ -504,6 +506,22 @@ def copy_recency_feature(spans: CopySpans) -> torch.Tensor:
     0 where no suffix occurs."""
     d = spans.nearest().float()
     return torch.where(spans.has, torch.log1p(d / NEAR_UNIT) / 4, torch.zeros_like(d))
+
+
+def reader_sure_feature(top: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """The copy head's input ``(...)`` in fp32 (``CepeConfig.mix_copy_sure``) from ``top`` ``(...)``, the
+    log-probability the reader (the side with the context) gives its most probable next token:
+    ``max(top, −16) / 8``, in [−2, 0] (0: the reader is sure), and 0 where no suffix occurs (``has``
+    False)."""
+    f = top.float().clamp_min(PROB_FLOOR) / 8.0
+    return torch.where(has, f, torch.zeros_like(f))
+
+
+def top_logprob(logits: torch.Tensor) -> torch.Tensor:
+    """``max_y log softmax(logits)_y`` ``(...)`` in fp32 for logits ``(..., V)``: how sure a distribution
+    is of its most probable token (the input of :func:`reader_sure_feature`)."""
+    lg = logits.float()
+    return lg.amax(-1) - lg.logsumexp(-1)
 
 
 def copy_mix_logits(

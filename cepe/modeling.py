@@ -39,6 +39,8 @@ from .mixture import (
     mix_head,
     mix_logit,
     mix_logits,
+    reader_sure_feature,
+    top_logprob,
     widen_head,
 )
 from .quant import QUANT_MODES, dequantize_int8, quantize_int8
@@ -114,13 +116,16 @@ class CepeForCausalLM(nn.Module):
         :data:`cepe.mixture.COPY_BIAS`."""
         c = self.cepe_config
         d = int(self.decoder.config.hidden_size)
-        names = head_inputs(
-            d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, c.mix_copy_prob, c.mix_copy_near
-        )
+        names = head_inputs(d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree, *self._copy_own())
         head = mix_head(names, next(self.decoder.parameters()))
         with torch.no_grad():
             head.bias.fill_(COPY_BIAS)
         return head
+
+    def _copy_own(self) -> tuple[bool, bool, bool]:
+        """Which inputs of its own the copy head takes: ``(mix_copy_prob, mix_copy_near, mix_copy_sure)``."""
+        c = self.cepe_config
+        return c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -374,7 +379,7 @@ class CepeForCausalLM(nn.Module):
             new = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree)
             self.mix_head = widen_head(self.mix_head, old, new)
             if self.copy_head is not None:
-                own = (c.mix_copy_prob, c.mix_copy_near)
+                own = self._copy_own()
                 old_copy = head_inputs(d, match, hidden, c.mix_length, c.mix_agree, *own)
                 new_copy = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree, *own)
                 self.copy_head = widen_head(self.copy_head, old_copy, new_copy)
@@ -382,12 +387,13 @@ class CepeForCausalLM(nn.Module):
         c.mix_length = c.mix_length or length
         c.mix_agree = c.mix_agree or agree
 
-    def enable_output_copy(self, prob: bool = False, near: bool = False) -> None:
+    def enable_output_copy(self, prob: bool = False, near: bool = False, sure: bool = False) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
         0.018 wherever a suffix occurs, so this changes the function there until the head trains), with
         ``prob`` its input of the mixture's probability of the copy's tokens (``mix_copy_prob``) and
-        ``near`` its input of how far back the copied suffix last occurs (``mix_copy_near``); a copy head
+        ``near`` its input of how far back the copied suffix last occurs (``mix_copy_near``) and ``sure``
+        its input of how sure the reader is of its next token (``mix_copy_sure``); a copy head
         trained without those inputs gets them with zero weights (its function unchanged). Idempotent (it
         never removes an input); raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
         c = self.cepe_config
@@ -396,16 +402,15 @@ class CepeForCausalLM(nn.Module):
                 "mix_copy needs the output mixture with suffix-match inputs: enable_output_mix first"
             )
         if self.copy_head is None:
-            c.mix_copy_prob, c.mix_copy_near = prob, near
+            c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure = prob, near, sure
             self.copy_head = self._new_copy_head()
-        elif (prob and not c.mix_copy_prob) or (near and not c.mix_copy_near):
+        elif any(want and not has for want, has in zip((prob, near, sure), self._copy_own())):
             d = int(self.decoder.config.hidden_size)
             args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
-            old = head_inputs(*args, c.mix_copy_prob, c.mix_copy_near)
+            old = head_inputs(*args, *self._copy_own())
             c.mix_copy_prob, c.mix_copy_near = c.mix_copy_prob or prob, c.mix_copy_near or near
-            self.copy_head = widen_head(
-                self.copy_head, old, head_inputs(*args, c.mix_copy_prob, c.mix_copy_near)
-            )
+            c.mix_copy_sure = c.mix_copy_sure or sure
+            self.copy_head = widen_head(self.copy_head, old, head_inputs(*args, *self._copy_own()))
         c.mix_copy = True
 
     def disable_output_mix(self) -> None:
@@ -423,6 +428,7 @@ class CepeForCausalLM(nn.Module):
             "mix_copy",
             "mix_copy_prob",
             "mix_copy_near",
+            "mix_copy_sure",
         )
         for name in names:
             setattr(self.cepe_config, name, defaults[name].default)
@@ -753,10 +759,10 @@ class CepeForCausalLM(nn.Module):
             m = None if match is None else match[:, :-1][sel]
             cp = None if copy is None else copy[:, :-1][sel]
             hc, hd, y = h_ctx[:, :-1][sel], h_dec[:, :-1][sel], shift[sel]
-            mixed = self._mixture_logits(hc, hd, m)  # (N, V)
+            mixed, lc = self._mixture_logits(hc, hd, m)  # (N, V) each
             nll = F.cross_entropy(mixed, y, reduction="none")  # (N,)
             if cp is not None:  # the copy's probability of each target, no (N, V) copy distributions
-                c = self.copy_logit(hc, hd, m, cp, self._copy_expectation(mixed, cp))
+                c = self.copy_logit(hc, hd, m, cp, self._copy_expectation(mixed, cp), self._reader_top(lc))
                 nll = copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
             loss = nll.sum() / sel.sum().clamp_min(1)
         logits = None
@@ -781,7 +787,7 @@ class CepeForCausalLM(nn.Module):
         without the context and, with ``mix_match``, the suffix-match inputs ``(..., K)``
         (:func:`cepe.mixture.mix_logits`); with ``mix_copy``, ``copy`` ``(...)`` mixes in the copy
         (:func:`cepe.mixture.copy_mix_logits`)."""
-        logits = self._mixture_logits(h_ctx, h_dec, match)
+        logits, lc = self._mixture_logits(h_ctx, h_dec, match)
         if (copy is None) != (self.copy_head is None):
             raise ValueError(
                 f"this adapter {'copies' if self.copy_head is not None else 'does not copy'} (mix_copy): "
@@ -789,7 +795,9 @@ class CepeForCausalLM(nn.Module):
             )
         if copy is None:
             return logits
-        c = self.copy_logit(h_ctx, h_dec, match, copy, self._copy_expectation(logits, copy))
+        c = self.copy_logit(
+            h_ctx, h_dec, match, copy, self._copy_expectation(logits, copy), self._reader_top(lc)
+        )
         return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
 
     def _copy_expectation(self, logits: torch.Tensor, copy: CopySpans) -> torch.Tensor | None:
@@ -801,11 +809,22 @@ class CepeForCausalLM(nn.Module):
         with torch.no_grad():
             return copy.expected(logits.float().log_softmax(-1))
 
+    def _reader_top(self, logits_ctx: torch.Tensor) -> torch.Tensor | None:
+        """The reader's log-probability of its most probable token ``(...)`` from its logits ``(..., V)`` (no
+        gradient flows through it) for the ``mix_copy_sure`` input, or None when the head does not take
+        it."""
+        if not self.cepe_config.mix_copy_sure:
+            return None
+        with torch.no_grad():
+            return top_logprob(logits_ctx)
+
     def _mixture_logits(
         self, h_ctx: torch.Tensor, h_dec: torch.Tensor, match: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The logits ``(..., V)`` of the mixture of both sides, without the copy."""
-        return mix_logits(self.lm_logits(h_ctx), self.lm_logits(h_dec), self.mix_logit(h_ctx, h_dec, match))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits ``(..., V)`` of the mixture of both sides, without the copy, and the reader's own
+        logits ``(..., V)`` (the side with the context)."""
+        lc = self.lm_logits(h_ctx)
+        return mix_logits(lc, self.lm_logits(h_dec), self.mix_logit(h_ctx, h_dec, match)), lc
 
     def copy_logit(
         self,
@@ -814,27 +833,32 @@ class CepeForCausalLM(nn.Module):
         match: torch.Tensor | None = None,
         copy: CopySpans | None = None,
         expect: torch.Tensor | None = None,
+        top: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The copy logit ``(...)`` (μ = σ(c) where a suffix occurs) of the copy head
         (``CepeConfig.mix_copy``), over the mixing head's inputs and the copy head's own: with
         ``mix_copy_prob`` from ``expect`` ``(...)``, the mixture's probability of a draw from the copy
         (:func:`cepe.mixture.copy_agreement_feature`), with ``mix_copy_near`` from the copy spans ``copy``
-        ``(...)`` (:func:`cepe.mixture.copy_recency_feature`); each required exactly when the head takes
-        it."""
+        ``(...)`` (:func:`cepe.mixture.copy_recency_feature`), with ``mix_copy_sure`` from ``top`` ``(...)``,
+        the reader's log-probability of its most probable token (:func:`cepe.mixture.reader_sure_feature`);
+        each required exactly when the head takes it."""
         c = self.cepe_config
         if self.copy_head is None:
             raise ValueError("this adapter has no copy head (mix_copy): enable_output_copy first")
         own = []
-        if c.mix_copy_prob or c.mix_copy_near:
-            if copy is None or (c.mix_copy_prob and expect is None):
+        if any(self._copy_own()):
+            if copy is None or (c.mix_copy_prob and expect is None) or (c.mix_copy_sure and top is None):
                 raise ValueError(
-                    "this copy head takes inputs of its own (mix_copy_prob, mix_copy_near): give the copy "
-                    "spans and, with mix_copy_prob, the mixture's expectation of the copy"
+                    "this copy head takes inputs of its own (mix_copy_prob, mix_copy_near, mix_copy_sure): "
+                    "give the copy spans, with mix_copy_prob the mixture's expectation of the copy and "
+                    "with mix_copy_sure the reader's top log-probability"
                 )
             if c.mix_copy_prob:
                 own.append(copy_agreement_feature(expect, copy.has))
             if c.mix_copy_near:
                 own.append(copy_recency_feature(copy))
+            if c.mix_copy_sure:
+                own.append(reader_sure_feature(top, copy.has))
             match = torch.cat([match, torch.stack(own, dim=-1).to(match.dtype)], dim=-1)
         return mix_logit(self.copy_head, h_ctx, h_dec, match, c.mix_hidden)
 

@@ -18,6 +18,7 @@ from cepe.training.head_fit import (
     TokenStats,
     check_recipe,
     fit,
+    head_names,
     head_nll,
     record_batch,
     run_head_fit,
@@ -31,6 +32,7 @@ HEADS_ONLY = {
     "mix_agree": True,
     "mix_copy": True,
     "mix_copy_near": True,
+    "mix_copy_sure": True,
 }
 
 
@@ -91,7 +93,8 @@ def test_recorded_stats_give_the_training_loss(tmp_path, cap):
     assert stats is not None and set(stats.task.tolist()) == {0, 1, 2}
     assert bool(stats.has.any()) and not bool(stats.has.all())
     assert not torch.equal(stats.lp_ctx, stats.lp_dec)  # the reader reads
-    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 1  # the recency input
+    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 2  # the recency and the reader's certainty
+    assert (stats.x_copy[stats.has, -1] < 0).all() and (stats.x_copy[~stats.has, -1] == 0).all()
     module = StageModule(model, cfg)
     trained = {k: v for k, v in batch.items() if k != "index"}
     loss, _ = module(trained)
@@ -235,13 +238,32 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         )
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), steps=1)))
-    plain = tmp_path / "plain"
+    plain, wide = tmp_path / "plain", tmp_path / "wide"  # heads without the recency input, and widened
     m = build_model(load_config(_recipe(tmp_path, cepe={**HEADS_ONLY, "mix_copy_near": False})))
+    with torch.no_grad():
+        m.copy_head.weight.normal_(0, 0.5)
+        m.mix_head.weight.normal_(0, 0.5)
     m.save_pretrained(plain)
-    with pytest.raises(ValueError, match="copy_head of .* takes 5 inputs .* the recipe's 6 inputs"):
+    m.enable_output_copy(near=True)
+    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 7
+    m.save_pretrained(wide)
+    both = run_head_fit(
+        HeadFitConfig(
+            recipe=str(other),
+            output_dir=str(tmp_path / "f2"),
+            compare=[str(plain), str(wide)],
+            progress=False,
+        )
+    )["held_out"]
+    assert both[f"compare:{plain}"]["nll"] == pytest.approx(both[f"compare:{wide}"]["nll"], abs=1e-9)
+    assert both[f"compare:{plain}"]["nll"] != pytest.approx(both["start"]["nll"], abs=1e-3)
+    none = tmp_path / "none"
+    cfg_none = {**HEADS_ONLY, "mix_copy": False, "mix_copy_near": False, "mix_copy_sure": False}
+    build_model(load_config(_recipe(tmp_path, cepe=cfg_none, train_only=["mix_head"]))).save_pretrained(none)
+    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 7 inputs"):
         run_head_fit(
             HeadFitConfig(
-                recipe=str(other), output_dir=str(tmp_path / "f2"), compare=[str(plain)], progress=False
+                recipe=str(other), output_dir=str(tmp_path / "f3"), compare=[str(none)], progress=False
             )
         )
 

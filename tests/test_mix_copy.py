@@ -26,8 +26,10 @@ from cepe.mixture import (
     copy_spans,
     mix_logit,
     mix_logits_ref,
+    reader_sure_feature,
+    top_logprob,
 )
-from cepe.training.speed import HeadWeight, chunked_copy_expectation, mixture_token_nll
+from cepe.training.speed import HeadWeight, chunked_copy_expectation, chunked_top_logprob, mixture_token_nll
 
 
 def _brute_copy(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
@@ -119,12 +121,13 @@ def _copying(
     seed: int = 5,
     prob: bool = False,
     near: bool = False,
+    sure: bool = False,
 ) -> CepeForCausalLM:
     """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``,
-    ``near``: with the copy head's own inputs)."""
+    ``near``, ``sure``: with the copy head's own inputs)."""
     model = _matched(hidden)
     model.enable_output_mix(3, hidden, length=length, agree=agree)
-    model.enable_output_copy(prob, near)
+    model.enable_output_copy(prob, near, sure)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.copy_head.weight.copy_(torch.randn(model.copy_head.weight.shape, generator=g))
@@ -133,21 +136,23 @@ def _copying(
 
 
 @pytest.mark.parametrize(
-    "hidden,agree,prob,near",
+    "hidden,agree,prob,near,sure",
     [
-        (False, False, False, False),
-        (True, True, False, False),
-        (False, True, True, False),
-        (False, True, True, True),
+        (False, False, False, False, False),
+        (True, True, False, False, False),
+        (False, True, True, False, False),
+        (False, True, True, True, False),
+        (False, False, False, False, True),
+        (False, True, True, True, True),
     ],
 )
-def test_the_model_mixes_in_the_copy(hidden, agree, prob, near):
+def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure):
     """Logits = the reference mixture, then the reference copy of each example's real context tokens
     mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` the
     mixture's probability of a draw from the copy, floored log / 8; with ``mix_copy_near`` log(1 + d / 64)
-    / 4 of the matched suffix's most recent distance, by the scanning reference); the loss is their
-    cross-entropy."""
-    model = _copying(hidden, agree=agree, prob=prob, near=near)
+    / 4 of the matched suffix's most recent distance, by the scanning reference; with ``mix_copy_sure``
+    the reader's largest log-probability, floored / 8); the loss is their cross-entropy."""
+    model = _copying(hidden, agree=agree, prob=prob, near=near, sure=sure)
     ids, enc_ids, enc_mask = _padded_case()
     ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
@@ -173,6 +178,11 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob, near):
         assert (d[has] > 1).any() and not d[~has].any()
         r = torch.where(has, torch.log1p(d / 64) / 4, torch.zeros_like(d))
         x = torch.cat([x, r[..., None].to(x.dtype)], dim=-1)
+    if sure:
+        top = lc.double().log_softmax(-1).max(-1).values
+        u = torch.where(has, top.clamp_min(-16.0) / 8, torch.zeros_like(top))
+        assert (u[has] < -0.05).any()  # the input is not trivially zero
+        x = torch.cat([x, u[..., None].to(x.dtype)], dim=-1)
     c = mix_logit(model.copy_head, h_ctx, h_dec, x, hidden)
     want = copy_mix_logits_ref(mixed, c, copy, has)
     torch.testing.assert_close(out.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
@@ -223,12 +233,14 @@ def test_the_nearest_occurrence_agrees_with_a_scan():
         copy_spans(torch.tensor([[1, 2]]), context_successors(ctx, None, 2)).nearest()
 
 
-@pytest.mark.parametrize("prob,near", [(False, False), (True, False), (True, True)])
-def test_the_training_loss_agrees_with_the_reference_path(prob, near):
+@pytest.mark.parametrize(
+    "prob,near,sure", [(False, False, False), (True, False, False), (True, True, False), (False, True, True)]
+)
+def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure):
     """The fast loss (each side's log-probability of the target, the copy's probability of it, with
     ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows) equals the
     cross-entropy of the mixed logits, and so do their gradients on both heads."""
-    model = _copying(agree=True, prob=prob, near=near)
+    model = _copying(agree=True, prob=prob, near=near, sure=sure)
     ids, enc_ids, enc_mask = _padded_case()
     labels = ids.clone()
     labels[0, :2] = -100
@@ -275,6 +287,20 @@ def test_the_chunked_copy_expectation_agrees_with_the_dense_one():
     torch.testing.assert_close(f, torch.tensor([0.0, math.log(1e-3) / 8, -2.0, 0.0]))
 
 
+def test_the_chunked_top_logprob_agrees_with_the_dense_one():
+    """``chunked_top_logprob`` (rows in chunks) = ``top_logprob`` of all logits at once = the largest
+    log-softmax entry; ``reader_sure_feature`` floors it at −16, scales by 1/8 and is 0 without a match."""
+    g = torch.Generator().manual_seed(4)
+    h, w = torch.randn(23, 6, generator=g) * 3, torch.randn(11, 6, generator=g)
+    dense = (h.double() @ w.double().T).log_softmax(-1).max(-1).values.float()
+    torch.testing.assert_close(top_logprob(h @ w.T), dense)
+    for chunk in (1, 4, 100):
+        torch.testing.assert_close(chunked_top_logprob(h, w, chunk), dense)
+    assert (dense < -0.1).any() and (dense <= 0).all()
+    u = reader_sure_feature(torch.tensor([0.0, -4.0, -40.0, -1.0]), torch.tensor([True, True, True, False]))
+    torch.testing.assert_close(u, torch.tensor([0.0, -0.5, -2.0, 0.0]))
+
+
 def test_the_copy_heads_own_inputs_start_at_zero_weight(tmp_path):
     """A copy head trained without ``mix_copy_prob`` keeps its function when the input is added (zero
     weight); the input then changes μ once it has a weight; saved and loaded back as such."""
@@ -293,18 +319,28 @@ def test_the_copy_heads_own_inputs_start_at_zero_weight(tmp_path):
         model.enable_output_copy(near=True)  # the recency input after it, zero too
         assert model.cepe_config.mix_copy_near and model.copy_head.weight.shape == (1, 8)
         torch.testing.assert_close(model(ids, **kw).logits, before, rtol=0, atol=0)
-        model.copy_head.weight[0, -2] = 3.0
+        model.enable_output_copy(sure=True)  # the reader's certainty after them, zero too
+        assert model.cepe_config.mix_copy_sure and model.copy_head.weight.shape == (1, 9)
+        torch.testing.assert_close(model(ids, **kw).logits, before, rtol=0, atol=0)
+        model.copy_head.weight[0, -3] = 3.0
         after = model(ids, **kw).logits
         assert (after - before).abs().max() > 1e-3
-        model.copy_head.weight[0, -1] = -3.0
-        assert (model(ids, **kw).logits - after).abs().max() > 1e-3
+        model.copy_head.weight[0, -2] = -3.0
+        again = model(ids, **kw).logits
+        assert (again - after).abs().max() > 1e-3
+        model.copy_head.weight[0, -1] = 3.0
+        assert (model(ids, **kw).logits - again).abs().max() > 1e-3
     with pytest.raises(ValueError, match="mix_copy_prob is an input of the copy"):
         CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_prob": True})
     with pytest.raises(ValueError, match="mix_copy_near is an input of the copy"):
         CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_near": True})
+    with pytest.raises(ValueError, match="mix_copy_sure is an input of the copy"):
+        CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_sure": True})
     model.save_pretrained(tmp_path / "own")
     back = CepeForCausalLM.from_pretrained(tmp_path / "own", decoder=tiny_decoder())
-    assert back.cepe_config.mix_copy_prob and back.cepe_config.mix_copy_near
+    assert (
+        back.cepe_config.mix_copy_prob and back.cepe_config.mix_copy_near and back.cepe_config.mix_copy_sure
+    )
     with torch.no_grad():
         torch.testing.assert_close(back(ids, **kw).logits, model(ids, **kw).logits, rtol=0, atol=0)
 
@@ -341,13 +377,16 @@ def test_invariants_no_context_and_no_match_are_the_mixture():
 def test_incremental_calls_continue_the_copy(mode):
     check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
     check_incremental_calls(
-        _copying(agree=True, prob=True, near=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3)
+        _copying(agree=True, prob=True, near=True, sure=True),
+        mode,
+        _few_tokens((2, 10), 2),
+        _few_tokens((2, 3, 8), 3),
     )
 
 
 def test_beam_search_with_the_copy():
     check_beam_scores(_copying(hidden=True))
-    check_beam_scores(_copying(prob=True, near=True))
+    check_beam_scores(_copying(prob=True, near=True, sure=True))
 
 
 def test_save_load_enable_and_errors(tmp_path):

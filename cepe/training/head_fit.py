@@ -139,7 +139,9 @@ def head_names(c: Any, hidden_size: int) -> dict[str, list[str] | None]:
     shared = (hidden_size, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
     return {
         "mix_head": head_inputs(*shared) if c.output_mix else None,
-        "copy_head": head_inputs(*shared, c.mix_copy_prob, c.mix_copy_near) if c.mix_copy else None,
+        "copy_head": head_inputs(*shared, c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure)
+        if c.mix_copy
+        else None,
     }
 
 
@@ -177,9 +179,9 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
     """The :class:`TokenStats` of one collated batch (with ``task`` and ``index``; chunks as the step reads
     them), computed as :class:`~cepe.training.models.StageModule` computes the loss; None where the batch
     has no context (the heads take no part there)."""
-    from cepe.mixture import copy_recency_feature
+    from cepe.mixture import copy_recency_feature, reader_sure_feature, top_logprob
 
-    from .speed import HeadWeight, chunked_target_logprobs
+    from .speed import HeadWeight, chunked_target_logprobs, chunked_top_logprob
 
     dev = batch["input_ids"].device
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -198,24 +200,33 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
         sel = labels[:, 1:] != -100  # (B, T-1)
         h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], labels[:, 1:][sel]
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h.dtype
+        sure = model.copy_head is not None and model.cepe_config.mix_copy_sure
+        top = None  # (N,) the reader's top log-probability (mix_copy_sure)
         if getattr(model.decoder.config, "final_logit_softcapping", None):  # the model's own capped head
             lp_ctx, lp_dec = (
                 model.lm_logits(x).float().log_softmax(-1).gather(-1, y[:, None])[:, 0] for x in (h, h_dec)
             )
+            if sure:
+                top = torch.cat([top_logprob(model.lm_logits(part)) for part in h.split(256)])
         else:
             with torch.autocast(dev.type, enabled=False):
                 w = HeadWeight().get(model.decoder, dtype)
                 lp_ctx = chunked_target_logprobs(h, w, y)
                 lp_dec = chunked_target_logprobs(h_dec, w, y)
+                if sure:
+                    top = chunked_top_logprob(h, w)
     m = match[:, :-1][sel]  # (N, F) fp32
     x_mix = m.to(h.dtype).float()  # as mix_logit casts its inputs
     x_copy, p_copy, has = None, torch.zeros_like(lp_ctx), torch.zeros_like(y, dtype=torch.bool)
     if model.copy_head is not None:
         cp = copy[:, :-1][sel]
         p_copy, has = cp.target_probs(y), cp.has
-        xc = m
+        own = []
         if model.cepe_config.mix_copy_near:
-            xc = torch.cat([m, copy_recency_feature(cp)[:, None].to(m.dtype)], dim=-1)
+            own.append(copy_recency_feature(cp))
+        if top is not None:
+            own.append(reader_sure_feature(top, cp.has))
+        xc = torch.cat([m, torch.stack(own, dim=-1).to(m.dtype)], dim=-1) if own else m
         x_copy = xc.to(h.dtype).float()
     rows = sel.nonzero()[:, 0]  # (N,) each token's row
     task = batch.get("task")
@@ -375,7 +386,8 @@ def fit(
 
 # ------------------------------------------------------------------------------------------------ the job
 def _compare_heads(path: str, names: dict[str, list[str] | None], hidden_size: int) -> Heads:
-    """The heads of adapter ``path``, checked to take the inputs ``names`` (per head) of the recipe's."""
+    """The heads of adapter ``path`` over the recipe's inputs ``names`` (per head): each of their inputs must
+    be among the recipe's, and an input they lack gets a zero weight (what they compute, unchanged)."""
     from cepe.config import CepeConfig
     from cepe.modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file
 
@@ -383,13 +395,21 @@ def _compare_heads(path: str, names: dict[str, list[str] | None], hidden_size: i
     if not (p / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"compare: {p / ADAPTER_CONFIG} not found; give a cepe adapter directory")
     theirs = head_names(CepeConfig.load(p / ADAPTER_CONFIG), hidden_size)
+    state = load_adapter_file(p / ADAPTER_WEIGHTS)
     for head in HEADS:
-        if theirs[head] != names[head]:
+        mine, other = names[head], theirs[head]
+        if (mine is None) != (other is None) or (other is not None and not set(other) <= set(mine)):
             raise ValueError(
-                f"compare: the {head} of {path} takes {_describe(theirs[head])}, the recipe's "
-                f"{_describe(names[head])}: only heads over the same inputs can be scored on these records"
+                f"compare: the {head} of {path} takes {_describe(other)}, the recipe's "
+                f"{_describe(mine)}: only heads whose inputs are among the recipe's can be scored on "
+                "these records"
             )
-    return Heads.from_state(load_adapter_file(p / ADAPTER_WEIGHTS))
+        if other is not None and other != mine:  # zero weights on the inputs they lack
+            w = state[f"{head}.weight"]
+            wide = torch.zeros((w.shape[0], len(mine)), dtype=w.dtype)
+            wide[:, [mine.index(name) for name in other]] = w
+            state = {**state, f"{head}.weight": wide}
+    return Heads.from_state(state)
 
 
 def int8_heads(heads: Heads) -> Heads:

@@ -147,7 +147,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             )
         if cfg.cepe.get("mix_copy"):  # the copy after the longest matched suffix, and its head
             model.enable_output_copy(
-                bool(cfg.cepe.get("mix_copy_prob", False)), bool(cfg.cepe.get("mix_copy_near", False))
+                *(bool(cfg.cepe.get(k, False)) for k in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure"))
             )
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))

@@ -212,7 +212,30 @@ def mixture_token_nll(
     if model.cepe_config.mix_copy_prob:
         with torch.autocast(dev, enabled=False):
             expect = chunked_copy_expectation(h, h_dec, a, w, cp)
-    return copy_mix_nll(nll, model.copy_logit(h, h_dec, m, cp, expect), cp.target_probs(y), cp.has)
+    top = None
+    if model.cepe_config.mix_copy_sure:
+        with torch.autocast(dev, enabled=False):
+            top = chunked_top_logprob(h, w)
+    c = model.copy_logit(h, h_dec, m, cp, expect, top)
+    return copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
+
+
+@torch.no_grad()
+def chunked_top_logprob(hidden: torch.Tensor, weight: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """``max_y log_softmax(hidden @ weightᵀ)_y`` ``(N,)`` fp32 (:func:`cepe.mixture.top_logprob`) without all
+    logits at once; no gradient.
+
+    Args:
+        hidden: ``(N, D)`` final hidden states; weight: ``(V, D)`` the output embedding (matmul dtype);
+            chunk: rows per chunk (default: about 8M logits).
+    """
+    from cepe.mixture import top_logprob
+
+    rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for i in range(0, hidden.shape[0], rows):
+        out[i : i + rows] = top_logprob(hidden[i : i + rows].to(weight.dtype) @ weight.T)
+    return out
 
 
 @torch.no_grad()
@@ -375,6 +398,8 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         bwd_lin += copying * (int(copy_head.weight.requires_grad) + int(stream_grad))
         if getattr(model.cepe_config, "mix_copy_prob", False):  # both sides' logits again (at most)
             fwd_lin += 2 * head
+        if getattr(model.cepe_config, "mix_copy_sure", False):  # the reader's logits again
+            fwd_lin += head
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
         share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
