@@ -104,6 +104,7 @@ def describe_model(cfg: InfoConfig) -> dict[str, Any]:
             "suffix_match_orders": c.mix_match,
             "hidden_states_as_inputs": c.mix_hidden,
             "context_length_input": c.mix_length,
+            "context_length_cap": c.mix_length_cap,
             "successor_agreements": c.mix_agree,
             "copy": c.mix_copy,
             "copy_probability_input": c.mix_copy_prob,

@@ -198,6 +198,9 @@ class CepeConfig:
             ``log(1 + n / 1024)`` for n real context tokens (``cepe.mixture.length_feature``), so that λ can
             follow the length (a reader trained to 8K harms more the longer its context). Its weight starts
             at zero: an adapter's head trained without it keeps its function when it is added.
+        mix_length_cap: with ``mix_length``, contexts longer than this many tokens read as this long in
+            the heads' length input, so that heads fitted on contexts up to that length do not extrapolate
+            their length weights beyond it (a 32K context then mixes as an 8K one). None: no cap.
         mix_agree: with ``mix_match``, K more head inputs after those: for each suffix length k, ``1 / d``
             where the decoder's last k tokens occur in the context and ``d`` distinct tokens follow them
             there, 0 where they do not occur (``cepe.mixture.suffix_agreement``), so that λ can tell a
@@ -257,6 +260,7 @@ class CepeConfig:
     mix_match: int = 0
     mix_hidden: bool = True
     mix_length: bool = False
+    mix_length_cap: int | None = None
     mix_agree: bool = False
     mix_copy: bool = False
     mix_copy_prob: bool = False
@@ -349,6 +353,11 @@ class CepeConfig:
             not self.mix_copy_near or self.mix_copy,
             "mix_copy_near is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
             "or mix_copy_near: false",
+        )
+        check(
+            self.mix_length_cap is None or (self.mix_length and self.mix_length_cap > 0),
+            f"mix_length_cap caps the heads' length input: give a positive number of tokens with "
+            f"mix_length: true (or mix_length_cap: null), got {self.mix_length_cap}",
         )
         check(
             not self.mix_copy_sure or self.mix_copy,

@@ -54,6 +54,8 @@ class CrossContext:
             the output mixture's suffix-match inputs); None otherwise.
         match_order: K, the suffix lengths those inputs cover (0 = none).
         match_length: the head's length input follows the K indicators (``CepeConfig.mix_length``).
+        match_length_cap: contexts longer than this many tokens read as this long in that input
+            (``CepeConfig.mix_length_cap``; None: no cap).
         match_agree: the K successor agreements follow those (``CepeConfig.mix_agree``).
         match_copy: the output mixture copies after the longest matched suffix (``CepeConfig.mix_copy``).
         match_near: its copy head reads how far back each match lies (``CepeConfig.mix_copy_near``).
@@ -85,6 +87,7 @@ class CrossContext:
     match_ids: torch.Tensor | None = None
     match_order: int = 0
     match_length: bool = False
+    match_length_cap: int | None = None
     match_agree: bool = False
     match_copy: bool = False
     match_near: bool = False
@@ -164,6 +167,8 @@ class CrossContext:
             self.mix_tail = (torch.cat([before, input_ids], dim=1)[:, -(k - 1) :], past + input_ids.shape[1])
         if self.match_length:
             n_real = (self.match_ids[:n] >= 0).sum(-1)  # (n,) real context tokens
+            if self.match_length_cap is not None:
+                n_real = n_real.clamp_max(self.match_length_cap)
             col = length_feature(n_real).to(feats.device)[:, None, None].expand(n, feats.shape[1], 1)
             feats = torch.cat([feats, col], dim=-1)
         if self.match_agree:
@@ -191,6 +196,7 @@ class CrossContext:
                 match_ids=self.match_ids,
                 match_order=self.match_order,
                 match_length=self.match_length,
+                match_length_cap=self.match_length_cap,
                 match_agree=self.match_agree,
                 match_copy=self.match_copy,
                 match_near=self.match_near,
@@ -226,6 +232,7 @@ class CrossContext:
             match_ids=rep(self.match_ids),
             match_order=self.match_order,
             match_length=self.match_length,
+            match_length_cap=self.match_length_cap,
             match_agree=self.match_agree,
             match_copy=self.match_copy,
             match_near=self.match_near,

@@ -98,10 +98,12 @@ def test_cepe_info_describes_the_model(adapter, capsys):
         "suffix_match_orders": 3,
         "hidden_states_as_inputs": False,
         "context_length_input": False,
+        "context_length_cap": None,
         "successor_agreements": True,
         "copy": True,
         "copy_probability_input": False,
         "copy_recency_input": True,
+        "copy_reader_sure_input": False,
         "decoder_passes_per_call": 2,
     }
 

@@ -335,6 +335,36 @@ def test_the_head_reads_the_context_length(hidden):
     assert (same - out).abs().max() > 1e-2  # the length moved λ
 
 
+def test_the_length_input_is_capped(tmp_path):
+    """With ``mix_length_cap`` a context longer than the cap reads as the cap in the length input (the
+    example of 24 real tokens as 16 under a cap of 16, the one of 8 as 8), in the model's logits, and
+    incremental calls and a save / load keep it; the cap needs the length input."""
+    model = _with_length()
+    model.cepe_config.mix_length_cap = 16
+    ids, enc_ids, enc_mask = _padded_case()
+    out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
+    n = torch.tensor([16.0, 8.0])[:, None, None].expand(2, 9, 1)
+    x = torch.cat([match, torch.log1p(n / 1024)], dim=-1)
+    a = mix_logit(model.mix_head, h_ctx, h_dec, x, False)
+    torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
+    kw = dict(encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
+    with torch.no_grad():
+        model.cepe_config.mix_length_cap = None
+        uncapped = model(ids, **kw).logits
+        model.cepe_config.mix_length_cap = 16
+    assert (uncapped - out).abs().max() > 1e-2  # the first example's length moved λ
+    model.save_pretrained(tmp_path / "cap")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "cap", decoder=tiny_decoder())
+    assert back.cepe_config.mix_length_cap == 16
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, **kw).logits, out, rtol=0, atol=0)
+    check_incremental_calls(back, "kv", _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
+    with pytest.raises(ValueError, match="mix_length_cap caps the heads' length input"):
+        tiny_cepe_config(output_mix=True, mix_match=2, mix_length_cap=8)
+    with pytest.raises(ValueError, match="mix_length_cap caps the heads' length input"):
+        tiny_cepe_config(output_mix=True, mix_match=2, mix_length=True, mix_length_cap=0)
+
+
 def _check_saved_and_needs_match(model: CepeForCausalLM, tmp_path, inp: str) -> None:
     """The head with input ``mix_{inp}`` saves and loads as it is, and the input needs ``mix_match``."""
     model.save_pretrained(tmp_path / "m")
