@@ -387,6 +387,17 @@ class CepeForCausalLM(nn.Module):
         c.mix_length = c.mix_length or length
         c.mix_agree = c.mix_agree or agree
 
+    def set_mix_length_cap(self, cap: int | None) -> None:
+        """Cap the heads' length input at ``cap`` context tokens (``CepeConfig.mix_length_cap``; None: no
+        cap); raises ``ValueError`` unless the heads take the length (``mix_length``) and ``cap`` is
+        positive."""
+        if cap is not None and (not self.cepe_config.mix_length or int(cap) < 1):
+            raise ValueError(
+                f"mix_length_cap caps the heads' length input: give a positive number of tokens to an "
+                f"adapter with mix_length (this one: mix_length {self.cepe_config.mix_length}), got {cap}"
+            )
+        self.cepe_config.mix_length_cap = None if cap is None else int(cap)
+
     def enable_output_copy(self, prob: bool = False, near: bool = False, sure: bool = False) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈

@@ -29,6 +29,7 @@ HEADS_ONLY = {
     "mix_match": 2,
     "mix_hidden": False,
     "mix_length": True,
+    "mix_length_cap": 4096,
     "mix_agree": True,
     "mix_copy": True,
     "mix_copy_near": True,
@@ -180,6 +181,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     assert json.loads((out / "fit.json").read_text())["iterations"] == got["iterations"]
     assert "Held-out NLL" in (out / "fit.md").read_text() and (out / "fit.png").is_file()
     saved = Heads.from_state(load_adapter_file(out / "adapter" / "adapter_model.safetensors"))
+    assert json.loads((out / "adapter" / "cepe_config.json").read_text())["mix_length_cap"] == 4096
     w = got["weights"]["mix_head"]
     assert float(saved.b_mix) == pytest.approx(w["bias"], abs=1e-6)
     assert saved.w_copy.tolist() == pytest.approx(
@@ -244,6 +246,13 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         m.copy_head.weight.normal_(0, 0.5)
         m.mix_head.weight.normal_(0, 0.5)
     m.save_pretrained(plain)
+    for cap in (2048, None):  # a recipe over an adapter sets its heads' length cap, or lifts it
+        over = build_model(
+            load_config(
+                _recipe(tmp_path, init_adapter=str(plain), cepe={**HEADS_ONLY, "mix_length_cap": cap})
+            )
+        )
+        assert over.cepe_config.mix_length_cap == cap
     m.enable_output_copy(near=True)
     assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 7
     m.save_pretrained(wide)

@@ -340,7 +340,7 @@ def test_the_length_input_is_capped(tmp_path):
     example of 24 real tokens as 16 under a cap of 16, the one of 8 as 8), in the model's logits, and
     incremental calls and a save / load keep it; the cap needs the length input."""
     model = _with_length()
-    model.cepe_config.mix_length_cap = 16
+    model.set_mix_length_cap(16)
     ids, enc_ids, enc_mask = _padded_case()
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
     n = torch.tensor([16.0, 8.0])[:, None, None].expand(2, 9, 1)
@@ -361,6 +361,8 @@ def test_the_length_input_is_capped(tmp_path):
     check_incremental_calls(back, "kv", _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
     with pytest.raises(ValueError, match="mix_length_cap caps the heads' length input"):
         tiny_cepe_config(output_mix=True, mix_match=2, mix_length_cap=8)
+    with pytest.raises(ValueError, match="mix_length_cap caps the heads' length input"):
+        _matched(hidden=False).set_mix_length_cap(8)
     with pytest.raises(ValueError, match="mix_length_cap caps the heads' length input"):
         tiny_cepe_config(output_mix=True, mix_match=2, mix_length=True, mix_length_cap=0)
 

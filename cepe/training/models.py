@@ -145,6 +145,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 bool(cfg.cepe.get("mix_length", False)),
                 bool(cfg.cepe.get("mix_agree", False)),
             )
+            if "mix_length_cap" in cfg.cepe:  # the heads' length input capped (or not: None)
+                model.set_mix_length_cap(cfg.cepe["mix_length_cap"])
         if cfg.cepe.get("mix_copy"):  # the copy after the longest matched suffix, and its head
             model.enable_output_copy(
                 *(bool(cfg.cepe.get(k, False)) for k in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure"))
