@@ -317,15 +317,17 @@ def test_length_feature_values():
     torch.testing.assert_close(length_feature(n), want)
 
 
-@pytest.mark.parametrize("hidden", [True, False])
-def test_the_head_reads_the_context_length(hidden):
+@pytest.mark.parametrize("hidden,cap", [(True, None), (False, None), (False, 16)])
+def test_the_head_reads_the_context_length(hidden, cap):
     """λ from the head over [(h_cepe; h_decoder;) matches; log(1 + n / 1024)], n each example's real
-    context tokens (padding not counted), against the reference built by hand."""
+    context tokens (padding not counted; with ``mix_length_cap`` at most the cap: the example of 24 real
+    tokens reads as 16 under a cap of 16), against the reference built by hand."""
     model = _with_length(hidden)
+    model.set_mix_length_cap(cap)
     assert model.mix_head.weight.shape == (1, (2 * 64 if hidden else 0) + 4)
     ids, enc_ids, enc_mask = _padded_case()
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
-    n = torch.tensor([24.0, 8.0])[:, None, None].expand(2, 9, 1)
+    n = torch.tensor([min(24.0, cap or 24.0), 8.0])[:, None, None].expand(2, 9, 1)
     x = torch.cat([match, torch.log1p(n / 1024)], dim=-1)
     a = mix_logit(model.mix_head, h_ctx, h_dec, x, hidden)
     torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
@@ -336,19 +338,14 @@ def test_the_head_reads_the_context_length(hidden):
 
 
 def test_the_length_input_is_capped(tmp_path):
-    """With ``mix_length_cap`` a context longer than the cap reads as the cap in the length input (the
-    example of 24 real tokens as 16 under a cap of 16, the one of 8 as 8), in the model's logits, and
-    incremental calls and a save / load keep it; the cap needs the length input."""
+    """A cap below a context's length changes the logits (the reference: the test above); incremental
+    calls and a save / load keep it; the cap needs the length input."""
     model = _with_length()
     model.set_mix_length_cap(16)
     ids, enc_ids, enc_mask = _padded_case()
-    out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
-    n = torch.tensor([16.0, 8.0])[:, None, None].expand(2, 9, 1)
-    x = torch.cat([match, torch.log1p(n / 1024)], dim=-1)
-    a = mix_logit(model.mix_head, h_ctx, h_dec, x, False)
-    torch.testing.assert_close(out.log_softmax(-1).double(), mix_logits_ref(lc, ld, a), rtol=1e-4, atol=1e-4)
     kw = dict(encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
     with torch.no_grad():
+        out = model(ids, **kw).logits
         model.cepe_config.mix_length_cap = None
         uncapped = model(ids, **kw).logits
         model.cepe_config.mix_length_cap = 16

@@ -9,10 +9,10 @@ suffix occurs, and the heads' inputs. Those do not change while the heads train,
 read) and the heads are fitted on them to convergence by L-BFGS, instead of by tens of noisy AdamW steps.
 
 Every ``held_out_every``-th example (by index) is held out of the fit and scored: the fitted heads, the
-heads the recipe starts from, and the heads of other adapters over the same inputs or fewer (``compare``) on the same
-tokens, by example kind and (continuation examples) by context length. Outputs in ``output_dir``: ``stats/`` (the records, one file per step: a rerun
-skips the steps recorded), ``adapter/`` (the model with the fitted heads), ``fit.json``, ``fit.md`` and
-``fit.png`` (the objective by iteration).
+heads the recipe starts from, and the heads of other adapters over the same inputs or fewer (``compare``)
+on the same tokens, by example kind and (continuation examples) by context length. Outputs in
+``output_dir``: ``stats/`` (the records, one file per step: a rerun skips the steps recorded), ``adapter/``
+(the model with the fitted heads), ``fit.json``, ``fit.md`` and ``fit.png`` (the objective by iteration).
 
 Shape legend: N scored tokens, F a head's inputs.
 """
