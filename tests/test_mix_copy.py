@@ -288,14 +288,19 @@ def test_the_chunked_copy_expectation_agrees_with_the_dense_one():
 
 
 def test_the_chunked_top_logprob_agrees_with_the_dense_one():
-    """``chunked_top_logprob`` (rows in chunks) = ``top_logprob`` of all logits at once = the largest
-    log-softmax entry; ``reader_sure_feature`` floors it at −16, scales by 1/8 and is 0 without a match."""
+    """``chunked_top_logprob`` (rows in chunks, or only the rows asked for) = ``top_logprob`` of all logits
+    at once = the largest log-softmax entry; ``reader_sure_feature`` floors it at −16, scales by 1/8 and is 0 without a match."""
     g = torch.Generator().manual_seed(4)
     h, w = torch.randn(23, 6, generator=g) * 3, torch.randn(11, 6, generator=g)
     dense = (h.double() @ w.double().T).log_softmax(-1).max(-1).values.float()
     torch.testing.assert_close(top_logprob(h @ w.T), dense)
     for chunk in (1, 4, 100):
         torch.testing.assert_close(chunked_top_logprob(h, w, chunk), dense)
+    where = torch.rand(23, generator=g) > 0.5  # only these rows; the others 0
+    assert where.any() and (~where).any()
+    for chunk in (1, 5):
+        got = chunked_top_logprob(h, w, chunk, where=where)
+        torch.testing.assert_close(got, torch.where(where, dense, torch.zeros_like(dense)))
     assert (dense < -0.1).any() and (dense <= 0).all()
     u = reader_sure_feature(torch.tensor([0.0, -4.0, -40.0, -1.0]), torch.tensor([True, True, True, False]))
     torch.testing.assert_close(u, torch.tensor([0.0, -0.5, -2.0, 0.0]))

@@ -200,26 +200,26 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
         sel = labels[:, 1:] != -100  # (B, T-1)
         h, h_dec, y = hidden[:, :-1][sel], alone[:, :-1][sel], labels[:, 1:][sel]
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h.dtype
-        sure = model.copy_head is not None and model.cepe_config.mix_copy_sure
-        top = None  # (N,) the reader's top log-probability (mix_copy_sure)
+        cp = None if model.copy_head is None else copy[:, :-1][sel]  # (N,) where each token's copy lies
+        top = None  # (N,) the reader's top log-probability where a suffix occurs (mix_copy_sure)
         if getattr(model.decoder.config, "final_logit_softcapping", None):  # the model's own capped head
             lp_ctx, lp_dec = (
                 model.lm_logits(x).float().log_softmax(-1).gather(-1, y[:, None])[:, 0] for x in (h, h_dec)
             )
-            if sure:
-                top = torch.cat([top_logprob(model.lm_logits(part)) for part in h.split(256)])
+            if cp is not None and model.cepe_config.mix_copy_sure:
+                top = torch.zeros_like(lp_ctx)
+                top[cp.has] = top_logprob(model.lm_logits(h[cp.has]))
         else:
             with torch.autocast(dev.type, enabled=False):
                 w = HeadWeight().get(model.decoder, dtype)
                 lp_ctx = chunked_target_logprobs(h, w, y)
                 lp_dec = chunked_target_logprobs(h_dec, w, y)
-                if sure:
-                    top = chunked_top_logprob(h, w)
+                if cp is not None and model.cepe_config.mix_copy_sure:
+                    top = chunked_top_logprob(h, w, where=cp.has)
     m = match[:, :-1][sel]  # (N, F) fp32
     x_mix = m.to(h.dtype).float()  # as mix_logit casts its inputs
     x_copy, p_copy, has = None, torch.zeros_like(lp_ctx), torch.zeros_like(y, dtype=torch.bool)
-    if model.copy_head is not None:
-        cp = copy[:, :-1][sel]
+    if cp is not None:
         p_copy, has = cp.target_probs(y), cp.has
         own = []
         if model.cepe_config.mix_copy_near:
@@ -389,6 +389,7 @@ def _compare_heads(path: str, names: dict[str, list[str] | None], hidden_size: i
     """The heads of adapter ``path`` over the recipe's inputs ``names`` (per head): each of their inputs must
     be among the recipe's, and an input they lack gets a zero weight (what they compute, unchanged)."""
     from cepe.config import CepeConfig
+    from cepe.mixture import widen_head
     from cepe.modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file
 
     p = Path(path)
@@ -405,10 +406,10 @@ def _compare_heads(path: str, names: dict[str, list[str] | None], hidden_size: i
                 "these records"
             )
         if other is not None and other != mine:  # zero weights on the inputs they lack
-            w = state[f"{head}.weight"]
-            wide = torch.zeros((w.shape[0], len(mine)), dtype=w.dtype)
-            wide[:, [mine.index(name) for name in other]] = w
-            state = {**state, f"{head}.weight": wide}
+            theirs_head = nn.Linear(len(other), 1, dtype=torch.float64)
+            with torch.no_grad():
+                theirs_head.weight.copy_(state[f"{head}.weight"])
+            state = {**state, f"{head}.weight": widen_head(theirs_head, other, mine).weight.detach()}
     return Heads.from_state(state)
 
 

@@ -215,26 +215,34 @@ def mixture_token_nll(
     top = None
     if model.cepe_config.mix_copy_sure:
         with torch.autocast(dev, enabled=False):
-            top = chunked_top_logprob(h, w)
+            top = chunked_top_logprob(h, w, where=cp.has)
     c = model.copy_logit(h, h_dec, m, cp, expect, top)
     return copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
 
 
 @torch.no_grad()
-def chunked_top_logprob(hidden: torch.Tensor, weight: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+def chunked_top_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    chunk: int | None = None,
+    where: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``max_y log_softmax(hidden @ weightᵀ)_y`` ``(N,)`` fp32 (:func:`cepe.mixture.top_logprob`) without all
     logits at once; no gradient.
 
     Args:
         hidden: ``(N, D)`` final hidden states; weight: ``(V, D)`` the output embedding (matmul dtype);
-            chunk: rows per chunk (default: about 8M logits).
+            chunk: rows per chunk (default: about 8M logits); where: ``(N,)`` bool, the rows to compute
+            (the others are 0: the copy head's input is 0 where no suffix occurs), or None for all.
     """
     from cepe.mixture import top_logprob
 
     rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    for i in range(0, hidden.shape[0], rows):
-        out[i : i + rows] = top_logprob(hidden[i : i + rows].to(weight.dtype) @ weight.T)
+    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    idx = torch.arange(hidden.shape[0], device=hidden.device) if where is None else where.nonzero()[:, 0]
+    for i in range(0, idx.numel(), rows):
+        at = idx[i : i + rows]
+        out[at] = top_logprob(hidden[at].to(weight.dtype) @ weight.T)
     return out
 
 
@@ -398,7 +406,7 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         bwd_lin += copying * (int(copy_head.weight.requires_grad) + int(stream_grad))
         if getattr(model.cepe_config, "mix_copy_prob", False):  # both sides' logits again (at most)
             fwd_lin += 2 * head
-        if getattr(model.cepe_config, "mix_copy_sure", False):  # the reader's logits again
+        if getattr(model.cepe_config, "mix_copy_sure", False):  # the reader's logits again (at most)
             fwd_lin += head
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
