@@ -228,6 +228,11 @@ class CepeConfig:
             what comes next and a short match spreads the copy over wrong successors (a table whose keys
             recur). It moves with the reader alone, not with the heads, so ``cepe fit-heads`` can record
             it. Its weight starts at zero, as ``mix_copy_prob``'s.
+        mix_copy_decay: with ``mix_copy``, the copy's votes weighed by how far before the context's end
+            each stands: ``(1 + d / 64) ** -decay`` (``cepe.mixture.vote_weights``; 0: each occurrence one
+            vote), so that a longer context adds far-back votes without drowning the successor just read.
+            It changes the copy distribution, not a head's inputs: a head fitted with one decay is fitted
+            for that decay.
     """
 
     encoder: EncoderConfig
@@ -266,6 +271,7 @@ class CepeConfig:
     mix_copy_prob: bool = False
     mix_copy_near: bool = False
     mix_copy_sure: bool = False
+    mix_copy_decay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -358,6 +364,16 @@ class CepeConfig:
             self.mix_length_cap is None or (self.mix_length and self.mix_length_cap > 0),
             f"mix_length_cap caps the heads' length input: give a positive number of tokens with "
             f"mix_length: true (or mix_length_cap: null), got {self.mix_length_cap}",
+        )
+        check(
+            math.isfinite(self.mix_copy_decay) and self.mix_copy_decay >= 0,
+            f"mix_copy_decay weighs the copy's votes by (1 + d/64)^-decay: give a finite number ≥ 0 (0: every "
+            f"vote the same), got {self.mix_copy_decay}",
+        )
+        check(
+            self.mix_copy_decay == 0 or self.mix_copy,
+            "mix_copy_decay weighs the copy's votes: set mix_copy (and mix_match, output_mix) too, or "
+            "mix_copy_decay: 0",
         )
         check(
             not self.mix_copy_sure or self.mix_copy,

@@ -59,6 +59,8 @@ class CrossContext:
         match_agree: the K successor agreements follow those (``CepeConfig.mix_agree``).
         match_copy: the output mixture copies after the longest matched suffix (``CepeConfig.mix_copy``).
         match_near: its copy head reads how far back each match lies (``CepeConfig.mix_copy_near``).
+        match_decay: the copy's votes weighed by how far back each stands (``CepeConfig.mix_copy_decay``;
+            0: each one vote).
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
@@ -91,6 +93,7 @@ class CrossContext:
     match_agree: bool = False
     match_copy: bool = False
     match_near: bool = False
+    match_decay: float = 0.0
     mix_tail: tuple[torch.Tensor, int] | None = None
     grams: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
         default=None, repr=False, compare=False
@@ -146,7 +149,9 @@ class CrossContext:
         n, k = input_ids.shape[0], self.match_order
         if self.successors is None or len(self.successors.keys) < n:  # one table: grams and copies
             ids = self.match_ids[:n]
-            self.successors = context_successors(ids, ids >= 0, k, recency=self.match_near)
+            self.successors = context_successors(
+                ids, ids >= 0, k, recency=self.match_near, decay=self.match_decay
+            )
             self.grams = grams_of(self.successors)
         tail = None
         if (
@@ -200,6 +205,7 @@ class CrossContext:
                 match_agree=self.match_agree,
                 match_copy=self.match_copy,
                 match_near=self.match_near,
+                match_decay=self.match_decay,
                 reads=b,
                 base=self,
             )
@@ -236,6 +242,7 @@ class CrossContext:
             match_agree=self.match_agree,
             match_copy=self.match_copy,
             match_near=self.match_near,
+            match_decay=self.match_decay,
         )
 
 

@@ -17,6 +17,7 @@ Shape legend: B batch, T decoder tokens, N positions, D decoder width, V vocabul
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,27 +181,45 @@ class Successors:
         back: ``(M,)`` for each entry, how many tokens before the context's end its gram's most recent
             successor stands (1: the context's last token), the same for every occurrence of a gram;
             None when not asked for (``recency``).
+        weight: ``(M,)`` fp32, each entry's vote in the copy (:func:`vote_weights` of how far before the
+            context's end its own successor stands); None: every vote the same (``decay`` 0).
     """
 
     keys: list[list[torch.Tensor]]
     start: list[list[int]]
     succ: torch.Tensor
     back: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
     def rows(self, n: int) -> Successors:
         """The table of the first ``n`` examples."""
-        return Successors(self.keys[:n], self.start[:n], self.succ, self.back)
+        return Successors(self.keys[:n], self.start[:n], self.succ, self.back, self.weight)
+
+
+DECAY_UNIT = 64  # context tokens: a vote d tokens back weighs (1 + d / DECAY_UNIT) ** -decay
+
+
+def vote_weights(d: torch.Tensor, decay: float) -> torch.Tensor:
+    """The copy's vote ``(...)`` fp32 of a successor ``d`` ``(...)`` tokens before the context's end
+    (``CepeConfig.mix_copy_decay``): ``(1 + d / 64) ** -decay`` (1 at the end, 1/2 at 64 tokens with decay
+    1, and 1/(1 + d/64) further back), so that, as a context grows, what was just read keeps its say."""
+    return (1.0 + d.double() / DECAY_UNIT).pow(-float(decay)).float()
 
 
 def context_successors(
-    ids: torch.Tensor, mask: torch.Tensor | None, order: int, recency: bool = False
+    ids: torch.Tensor, mask: torch.Tensor | None, order: int, recency: bool = False, decay: float = 0.0
 ) -> Successors:
     """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
     ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``; with ``recency`` also
-    :attr:`Successors.back` (for ``CepeConfig.mix_copy_near``; about a third more time)."""
+    :attr:`Successors.back` (for ``CepeConfig.mix_copy_near``; about a third more time), with ``decay`` > 0
+    each vote's :attr:`Successors.weight` (``CepeConfig.mix_copy_decay``)."""
+    if not math.isfinite(decay) or decay < 0:
+        raise ValueError(
+            f"the copy's vote decay is a finite number ≥ 0 (0: every vote the same), got {decay}"
+        )
     flat = ids.reshape(ids.shape[0], -1)
     keep = None if mask is None else mask.reshape(mask.shape[0], -1).bool()
-    keys, start, parts, backs, at = [], [], [], [], 0
+    keys, start, parts, backs, weights, at = [], [], [], [], [], 0
     for b in range(flat.shape[0]):
         row = flat[b] if keep is None else flat[b][keep[b]]
         per_k, begin = [], []
@@ -215,12 +234,17 @@ def context_successors(
             parts.append(nxt[by])
             if recency:
                 backs.append(_most_recent(keys_k, row.numel() - k - by))
+            if decay > 0:
+                weights.append(vote_weights(row.numel() - k - by, decay))
             at += h.numel()
         keys.append(per_k)
         start.append(begin)
     succ = torch.cat(parts) if parts else flat.new_zeros(0)
     back = (torch.cat(backs) if backs else flat.new_zeros(0)) if recency else None
-    return Successors(keys, start, succ, back)
+    weight = None
+    if decay > 0:
+        weight = torch.cat(weights) if weights else torch.zeros(0, device=flat.device)
+    return Successors(keys, start, succ, back, weight)
 
 
 def _most_recent(keys: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
@@ -370,17 +394,21 @@ COPY_BIAS = -4.0  # the copy head's starting bias: μ = σ(-4) ≈ 0.018 whereve
 @dataclass
 class CopySpans:
     """Where each decoder position's copy distribution lies: the successors ``succ[lo:hi]`` of its longest
-    suffix that occurs in the context (each occurrence one vote), ``lo == hi`` where none occurs.
+    suffix that occurs in the context (each occurrence one vote, of weight ``weight[i]`` when given),
+    ``lo == hi`` where none occurs.
 
     Attributes:
         succ: ``(M,)`` :attr:`Successors.succ`.
         lo, hi: ``(...)`` long, one entry per decoder position.
+        back: ``(M,)`` :attr:`Successors.back` or None.
+        weight: ``(M,)`` :attr:`Successors.weight` or None (every vote the same).
     """
 
     succ: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
     back: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
     @property
     def has(self) -> torch.Tensor:
@@ -388,7 +416,7 @@ class CopySpans:
         return self.hi > self.lo
 
     def __getitem__(self, index: Any) -> CopySpans:
-        return CopySpans(self.succ, self.lo[index], self.hi[index], self.back)
+        return CopySpans(self.succ, self.lo[index], self.hi[index], self.back, self.weight)
 
     def nearest(self) -> torch.Tensor:
         """``(...)`` long: how many tokens before the context's end the most recent successor of each
@@ -402,39 +430,44 @@ class CopySpans:
         near = self.back[self.lo.clamp_max(self.back.numel() - 1)]
         return torch.where(self.has, near, torch.zeros_like(near))
 
-    def _votes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each vote's position (flat index into ``lo.reshape(-1)``) and token: ``(E,)``, ``(E,)``."""
+    def _votes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each vote's position (flat index into ``lo.reshape(-1)``), token and share of its position's
+        votes: ``(E,)``, ``(E,)``, ``(E,)`` fp32 (shares sum to 1 over a position's votes)."""
         lo, n = self.lo.reshape(-1), (self.hi - self.lo).reshape(-1)
         row = torch.repeat_interleave(torch.arange(lo.numel(), device=lo.device), n)  # (E,)
         first = torch.cumsum(n, 0) - n  # (P,) each position's first vote in the flat list
-        return row, self.succ[lo[row] + torch.arange(row.numel(), device=lo.device) - first[row]]
+        entry = lo[row] + torch.arange(row.numel(), device=lo.device) - first[row]  # (E,) index into succ
+        if self.weight is None:
+            share = 1.0 / n.clamp_min(1).float()[row]
+        else:
+            w = self.weight.to(lo.device)[entry]
+            total = torch.zeros(lo.numel(), dtype=torch.float32, device=lo.device).index_add_(0, row, w)
+            share = w / total[row]  # every vote weighs > 0, so a position with votes has a positive total
+        return row, self.succ[entry], share
 
     def target_probs(self, y: torch.Tensor) -> torch.Tensor:
         """``p_copy(y)`` ``(...)`` in fp32 for one token per position (0 where no suffix occurs)."""
-        row, tok = self._votes()
-        hits = torch.zeros(self.lo.numel(), dtype=torch.float32, device=y.device)
-        hits.index_add_(0, row, (tok == y.reshape(-1)[row]).float())
-        n = (self.hi - self.lo).reshape(-1).clamp_min(1).float()
-        return (hits / n).reshape(self.lo.shape)
+        row, tok, share = self._votes()
+        out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=y.device)
+        out.index_add_(0, row, share * (tok == y.reshape(-1)[row]).float())
+        return out.reshape(self.lo.shape)
 
     def expected(self, logp: torch.Tensor) -> torch.Tensor:
         """``Σ_y p_copy(y)·p(y)`` ``(...)`` in fp32 for log-probabilities ``logp`` ``(..., V)`` of another
-        distribution over the same positions (each vote's probability under it, averaged over the votes;
-        0 where no suffix occurs)."""
-        row, tok = self._votes()
+        distribution over the same positions (each vote's probability under it, weighed by its share of the
+        votes; 0 where no suffix occurs)."""
+        row, tok, share = self._votes()
         flat = logp.reshape(-1, logp.shape[-1])
         out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=logp.device)
-        out.index_add_(0, row, flat[row, tok].float().exp())
-        n = (self.hi - self.lo).reshape(-1).clamp_min(1).float()
-        return (out / n).reshape(self.lo.shape)
+        out.index_add_(0, row, share * flat[row, tok].float().exp())
+        return out.reshape(self.lo.shape)
 
     def probs(self, vocab: int) -> torch.Tensor:
         """The copy distributions ``(..., V)`` in fp32 (all zero where no suffix occurs)."""
-        row, tok = self._votes()
+        row, tok, share = self._votes()
         out = torch.zeros(self.lo.numel(), vocab, dtype=torch.float32, device=self.succ.device)
-        out.index_put_((row, tok), torch.ones_like(tok, dtype=torch.float32), accumulate=True)
-        n = (self.hi - self.lo).reshape(-1, 1).clamp_min(1).float()
-        return (out / n).reshape(*self.lo.shape, vocab)
+        out.index_put_((row, tok), share, accumulate=True)
+        return out.reshape(*self.lo.shape, vocab)
 
 
 def copy_spans(
@@ -466,22 +499,28 @@ def copy_spans(
             lo[row] = torch.where(hit, left + base, lo[row])
             hi[row] = torch.where(hit, right + base, hi[row])
     back = None if table.back is None else table.back.to(dec_ids.device)
-    return CopySpans(table.succ.to(dec_ids.device), lo, hi, back)
+    weight = None if table.weight is None else table.weight.to(dec_ids.device)
+    return CopySpans(table.succ.to(dec_ids.device), lo, hi, back, weight)
 
 
-def copy_probs_ref(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
+def copy_probs_ref(
+    ids: list[int], ctx: list[int], order: int, vocab: int, decay: float = 0.0
+) -> torch.Tensor:
     """Reference for :meth:`CopySpans.probs` of :func:`copy_spans` on one example: ``(len(ids), V)``, by
-    scanning the context for the longest suffix and counting what follows each occurrence."""
-    out = torch.zeros(len(ids), vocab)
+    scanning the context for the longest suffix and counting what follows each occurrence (summed in fp64, each
+    occurrence weighed ``(1 + d / 64) ** -decay`` for ``d`` how far before the context's end its successor
+    stands)."""
+    out = torch.zeros(len(ids), vocab, dtype=torch.float64)
     for j in range(len(ids)):
         for k in range(min(order, j + 1), 0, -1):
             suffix = ids[j - k + 1 : j + 1]
-            nxt = [ctx[i + k] for i in range(len(ctx) - k) if ctx[i : i + k] == suffix]
-            if nxt:
-                for tok in nxt:
-                    out[j, tok] += 1.0 / len(nxt)
+            at = [i + k for i in range(len(ctx) - k) if ctx[i : i + k] == suffix]  # the successors' places
+            if at:
+                w = [(1.0 + (len(ctx) - p) / DECAY_UNIT) ** -decay for p in at]
+                for p, wp in zip(at, w):
+                    out[j, ctx[p]] += wp / sum(w)
                 break
-    return out
+    return out.float()
 
 
 PROB_FLOOR = -16.0  # the copy-agreement input's floor, in nats: log s below it reads as this

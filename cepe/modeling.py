@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -398,6 +399,18 @@ class CepeForCausalLM(nn.Module):
             )
         self.cepe_config.mix_length_cap = None if cap is None else int(cap)
 
+    def set_mix_copy_decay(self, decay: float) -> None:
+        """Weigh the copy's votes by ``(1 + d / 64) ** -decay`` for ``d`` how far before the context's end
+        each stands (``CepeConfig.mix_copy_decay``; 0: each occurrence one vote); raises ``ValueError``
+        without the copy (``enable_output_copy``) or for a negative or infinite ``decay``."""
+        if not self.cepe_config.mix_copy and float(decay) != 0:
+            raise ValueError("mix_copy_decay weighs the copy's votes: enable_output_copy first")
+        if not math.isfinite(float(decay)) or float(decay) < 0:
+            raise ValueError(
+                f"mix_copy_decay weighs the copy's votes by (1 + d/64)^-decay: give a finite number ≥ 0, got {decay}"
+            )
+        self.cepe_config.mix_copy_decay = float(decay)
+
     def enable_output_copy(self, prob: bool = False, near: bool = False, sure: bool = False) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
@@ -441,6 +454,7 @@ class CepeForCausalLM(nn.Module):
             "mix_copy_prob",
             "mix_copy_near",
             "mix_copy_sure",
+            "mix_copy_decay",
         )
         for name in names:
             setattr(self.cepe_config, name, defaults[name].default)
@@ -649,6 +663,9 @@ class CepeForCausalLM(nn.Module):
             match_agree=bool(order) and self.cepe_config.mix_agree,
             match_copy=bool(order) and self.cepe_config.mix_copy,
             match_near=bool(order) and self.cepe_config.mix_copy_near,
+            match_decay=float(self.cepe_config.mix_copy_decay)
+            if order and self.cepe_config.mix_copy
+            else 0.0,
         )
 
     @contextlib.contextmanager

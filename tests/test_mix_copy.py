@@ -28,6 +28,7 @@ from cepe.mixture import (
     mix_logits_ref,
     reader_sure_feature,
     top_logprob,
+    vote_weights,
 )
 from cepe.training.speed import HeadWeight, chunked_copy_expectation, chunked_top_logprob, mixture_token_nll
 
@@ -57,24 +58,33 @@ def test_the_reference_copy_agrees_with_a_brute_force_count():
     got = copy_probs_ref([1, 2], [1, 2, 3, 1, 2, 3, 1, 2, 4, 2, 1], 2, 5)
     torch.testing.assert_close(got[1], torch.tensor([0, 0, 0, 2 / 3, 1 / 3]))
     torch.testing.assert_close(got[0], torch.tensor([0, 0, 1.0, 0, 0]))  # "1" is followed by 2 three times
+    # with decay 1 the votes weigh 1/(1 + d/64): the 3s stand 9 and 6 tokens back, the 4 stands 3 back
+    w3, w4 = 1 / (1 + 9 / 64) + 1 / (1 + 6 / 64), 1 / (1 + 3 / 64)
+    got = copy_probs_ref([1, 2], [1, 2, 3, 1, 2, 3, 1, 2, 4, 2, 1], 2, 5, decay=1.0)
+    torch.testing.assert_close(got[1], torch.tensor([0, 0, 0, w3 / (w3 + w4), w4 / (w3 + w4)]))
+    assert vote_weights(torch.tensor([0, 64, 192]), 1.0).tolist() == [1.0, 0.5, 0.25]
 
 
-@pytest.mark.parametrize("vocab", [3, 6])
-def test_vectorised_copy_agrees_with_the_reference(vocab):
+@pytest.mark.parametrize("vocab,decay", [(3, 0.0), (6, 0.0), (3, 1.5), (6, 0.7)])
+def test_vectorised_copy_agrees_with_the_reference(vocab, decay):
     """Padded chunks read as one text; a tail continues an incremental call; padding matches nothing;
-    the probability of one token per position is the dense distribution's entry."""
+    the probability of one token per position is the dense distribution's entry; votes weighed by how
+    far back they stand (``decay``) as the reference weighs them."""
     g = torch.Generator().manual_seed(vocab)
     ids = torch.randint(0, vocab, (3, 4, 6), generator=g)
     mask = torch.rand(3, 4, 6, generator=g) > 0.3
     mask[2] = False  # an example with no context: nothing occurs
     dec = torch.randint(0, vocab, (3, 9), generator=g)
-    table = context_successors(ids, mask, 4)
+    table = context_successors(ids, mask, 4, decay=decay)
+    assert (table.weight is None) == (decay == 0)
     spans = copy_spans(dec, table)
     dense = spans.probs(vocab)  # (3, 9, V)
     for b in range(3):
         torch.testing.assert_close(
-            dense[b], copy_probs_ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 4, vocab)
+            dense[b], copy_probs_ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 4, vocab, decay)
         )
+    logp = torch.randn(3, 9, vocab, generator=g).log_softmax(-1)
+    torch.testing.assert_close(spans.expected(logp), (dense * logp.exp()).sum(-1))
     assert spans.has[:2].any() and not spans.has[2].any()
     torch.testing.assert_close(dense.sum(-1), spans.has.float())
     y = torch.randint(0, vocab, (3, 9), generator=g)
@@ -86,7 +96,7 @@ def test_vectorised_copy_agrees_with_the_reference(vocab):
     got = copy_spans(padded, table).probs(vocab)
     assert not got[:, :3].any()
     for b in range(2):
-        ref = copy_probs_ref(dec[b, 3:].tolist(), ids[b][mask[b]].tolist(), 4, vocab)
+        ref = copy_probs_ref(dec[b, 3:].tolist(), ids[b][mask[b]].tolist(), 4, vocab, decay)
         torch.testing.assert_close(got[b, 3:], ref)  # the suffixes start after the padding
     sel = spans.has.clone()
     torch.testing.assert_close(spans[sel].probs(vocab), dense[sel])
@@ -122,12 +132,14 @@ def _copying(
     prob: bool = False,
     near: bool = False,
     sure: bool = False,
+    decay: float = 0.0,
 ) -> CepeForCausalLM:
     """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``,
-    ``near``, ``sure``: with the copy head's own inputs)."""
+    ``near``, ``sure``: with the copy head's own inputs; ``decay``: its votes weighed by recency)."""
     model = _matched(hidden)
     model.enable_output_mix(3, hidden, length=length, agree=agree)
     model.enable_output_copy(prob, near, sure)
+    model.set_mix_copy_decay(decay)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.copy_head.weight.copy_(torch.randn(model.copy_head.weight.shape, generator=g))
@@ -136,23 +148,25 @@ def _copying(
 
 
 @pytest.mark.parametrize(
-    "hidden,agree,prob,near,sure",
+    "hidden,agree,prob,near,sure,decay",
     [
-        (False, False, False, False, False),
-        (True, True, False, False, False),
-        (False, True, True, False, False),
-        (False, True, True, True, False),
-        (False, False, False, False, True),
-        (False, True, True, True, True),
+        (False, False, False, False, False, 0.0),
+        (True, True, False, False, False, 0.0),
+        (False, True, True, False, False, 0.0),
+        (False, True, True, True, False, 0.0),
+        (False, False, False, False, True, 0.0),
+        (False, True, True, True, True, 0.0),
+        (False, True, True, True, True, 2.5),
     ],
 )
-def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure):
+def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay):
     """Logits = the reference mixture, then the reference copy of each example's real context tokens
     mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` the
     mixture's probability of a draw from the copy, floored log / 8; with ``mix_copy_near`` log(1 + d / 64)
     / 4 of the matched suffix's most recent distance, by the scanning reference; with ``mix_copy_sure``
-    the reader's largest log-probability, floored / 8); the loss is their cross-entropy."""
-    model = _copying(hidden, agree=agree, prob=prob, near=near, sure=sure)
+    the reader's largest log-probability, floored / 8; with ``mix_copy_decay`` the votes weighed by the
+    reference); the loss is their cross-entropy."""
+    model = _copying(hidden, agree=agree, prob=prob, near=near, sure=sure, decay=decay)
     ids, enc_ids, enc_mask = _padded_case()
     ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
@@ -161,7 +175,10 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure):
         loss = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=ids).loss
     torch.testing.assert_close(x[..., :3], match)
     copy = torch.stack(
-        [copy_probs_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3, lc.shape[-1]) for b in range(2)]
+        [
+            copy_probs_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3, lc.shape[-1], decay)
+            for b in range(2)
+        ]
     )
     has = copy.sum(-1) > 0
     assert has.any() and (~has).any()
@@ -234,13 +251,20 @@ def test_the_nearest_occurrence_agrees_with_a_scan():
 
 
 @pytest.mark.parametrize(
-    "prob,near,sure", [(False, False, False), (True, False, False), (True, True, False), (False, True, True)]
+    "prob,near,sure,decay",
+    [
+        (False, False, False, 0.0),
+        (True, False, False, 0.0),
+        (True, True, False, 0.0),
+        (False, True, True, 0.0),
+        (True, True, True, 1.0),
+    ],
 )
-def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure):
+def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure, decay):
     """The fast loss (each side's log-probability of the target, the copy's probability of it, with
-    ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows) equals the
-    cross-entropy of the mixed logits, and so do their gradients on both heads."""
-    model = _copying(agree=True, prob=prob, near=near, sure=sure)
+    ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows; votes weighed with
+    ``decay``) equals the cross-entropy of the mixed logits, and so do their gradients on both heads."""
+    model = _copying(agree=True, prob=prob, near=near, sure=sure, decay=decay)
     ids, enc_ids, enc_mask = _padded_case()
     labels = ids.clone()
     labels[0, :2] = -100
@@ -251,7 +275,7 @@ def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure):
     with torch.no_grad(), model.use_context(None):
         alone = base(ids).last_hidden_state
     match, copy = ctx.suffix_inputs(ids, 0)
-    assert copy is not None and copy.has.any()
+    assert copy is not None and copy.has.any() and (copy.weight is None) == (decay == 0)
     grads = []
     for fast in (True, False):
         model.zero_grad()
@@ -382,7 +406,7 @@ def test_invariants_no_context_and_no_match_are_the_mixture():
 def test_incremental_calls_continue_the_copy(mode):
     check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
     check_incremental_calls(
-        _copying(agree=True, prob=True, near=True, sure=True),
+        _copying(agree=True, prob=True, near=True, sure=True, decay=1.0),
         mode,
         _few_tokens((2, 10), 2),
         _few_tokens((2, 3, 8), 3),
@@ -391,7 +415,35 @@ def test_incremental_calls_continue_the_copy(mode):
 
 def test_beam_search_with_the_copy():
     check_beam_scores(_copying(hidden=True))
-    check_beam_scores(_copying(prob=True, near=True, sure=True))
+    check_beam_scores(_copying(prob=True, near=True, sure=True, decay=0.5))
+
+
+def test_vote_decay_saves_loads_and_refuses_bad_values(tmp_path):
+    """``mix_copy_decay`` travels with the adapter; 0 is the unweighted copy bit for bit; a decay moves the
+    distribution where several votes disagree; bad values and a decay without the copy are refused."""
+    model = _copying(length=True, agree=True, decay=0.0)
+    ids, enc_ids, enc_mask = _padded_case()
+    kw = dict(encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
+    with torch.no_grad():
+        plain = model(ids, **kw).logits
+        assert torch.equal(_copying(length=True, agree=True)(ids, **kw).logits, plain)
+        model.set_mix_copy_decay(2.0)
+        decayed = model(ids, **kw).logits
+    assert (decayed - plain).abs().max() > 1e-3
+    model.save_pretrained(tmp_path / "decay")
+    back = CepeForCausalLM.from_pretrained(tmp_path / "decay", decoder=tiny_decoder())
+    assert back.cepe_config.mix_copy_decay == 2.0
+    with torch.no_grad():
+        assert torch.equal(back(ids, **kw).logits, decayed)
+    for bad in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite number ≥ 0"):
+            model.set_mix_copy_decay(bad)
+    with pytest.raises(ValueError, match="enable_output_copy first"):
+        _matched(hidden=False).set_mix_copy_decay(1.0)
+    with pytest.raises(ValueError, match="mix_copy_decay weighs the copy's votes: set mix_copy"):
+        tiny_cepe_config(output_mix=True, mix_match=2, mix_copy_decay=1.0)
+    with pytest.raises(ValueError, match="finite number ≥ 0"):
+        context_successors(enc_ids, enc_mask, 2, decay=-1.0)
 
 
 def test_save_load_enable_and_errors(tmp_path):

@@ -151,6 +151,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_output_copy(
                 *(bool(cfg.cepe.get(k, False)) for k in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure"))
             )
+            if "mix_copy_decay" in cfg.cepe:  # the copy's votes weighed by how far back they stand
+                model.set_mix_copy_decay(float(cfg.cepe["mix_copy_decay"]))
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
             set_encoder_causal(model, bool(cfg.encoder["causal"]))
     else:
