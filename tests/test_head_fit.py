@@ -293,7 +293,54 @@ def test_recipes_it_cannot_fit_are_refused(tmp_path, over, message):
         check_recipe(load_config(_recipe(tmp_path, **over)))
 
 
+def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
+    """``copy_decays``: the copy's probabilities made again from the examples equal the recorded ones at
+    the recipe's own decay, and at another decay what a recording with that decay holds; each sweep row is
+    the fit a recipe with that decay gets, without running the reader again."""
+    import cepe.training.head_fit as hf
+    from cepe.training.models import build_model
+
+    reader = _reader(tmp_path)
+    recipe, decayed = tmp_path / "recipe.yaml", tmp_path / "decayed.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader))))
+    d = _recipe(tmp_path, init_adapter=str(reader), cepe={**HEADS_ONLY, "mix_copy_decay": 1.5})
+    d["output_dir"] = str(tmp_path / "decayed")
+    decayed.write_text(yaml.safe_dump(d))
+    got = run_head_fit(
+        HeadFitConfig(
+            recipe=str(recipe), output_dir=str(tmp_path / "f"), copy_decays=[0, 1.5], progress=False
+        )
+    )["held_out"]
+    assert got["decay 0"]["nll"] == pytest.approx(got["fitted"]["nll"], abs=1e-9)
+    own = run_head_fit(HeadFitConfig(recipe=str(decayed), progress=False))["held_out"]
+    assert own["fitted"]["nll"] == pytest.approx(got["decay 1.5"]["nll"], abs=1e-7)
+    assert own["fitted"]["nll"] != pytest.approx(got["fitted"]["nll"], abs=1e-5)  # the decay moved the copy
+    stats = [
+        TokenStats(**x)
+        for s in range(3)
+        for x in torch.load(tmp_path / "decayed-fit" / "stats" / f"step_{s:06d}.pt")
+    ]
+    cfg = load_config(str(decayed))
+    model = build_model(cfg)
+    monkeypatch.setattr(hf, "record_batch", None)  # the reader is not run
+    for decay, want in ((1.5, True), (0.0, False)):
+        again = hf.recopy(cfg, model, 3, decay)
+        assert torch.equal(again, TokenStats.cat(stats).p_copy) == want
+    monkeypatch.undo()
+    plain = _recipe(  # a fresh reader with the mixture alone
+        tmp_path,
+        cepe={**HEADS_ONLY, "mix_copy": False, "mix_copy_near": False, "mix_copy_sure": False},
+        train_only=["mix_head"],
+    )
+    none = tmp_path / "nocopy.yaml"
+    none.write_text(yaml.safe_dump(plain))
+    with pytest.raises(ValueError, match="this recipe has no copy"):
+        run_head_fit(HeadFitConfig(recipe=str(none), copy_decays=[1.0], progress=False))
+
+
 def test_config_checks():
+    with pytest.raises(ValueError, match="copy_decays are finite numbers"):
+        HeadFitConfig(recipe="x.yaml", copy_decays=[1.0, -2.0])
     with pytest.raises(ValueError, match="held_out_every"):
         HeadFitConfig(recipe="x.yaml", held_out_every=1)
     with pytest.raises(ValueError, match="steps"):

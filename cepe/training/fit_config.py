@@ -30,6 +30,10 @@ class HeadFitConfig:
             settings can share one recording; records of another recipe are refused.
         compare: other adapters (directories) whose heads' inputs are among the recipe's (one they lack
             weighs zero), scored on the same held-out tokens (their heads alone: over this recipe's reader).
+        copy_decays: also fit the heads with the copy's votes weighed by each of these decays
+            (``mix_copy_decay``) on the same records, the copy's probabilities recomputed from the examples
+            (the reader is not run again), each scored on the held-out tokens as ``decay D``: a sweep of the
+            decay for the cost of one recording. The adapter written keeps the recipe's decay.
         progress: show a progress bar while recording.
     """
 
@@ -42,6 +46,7 @@ class HeadFitConfig:
     fixed: list[str] = field(default_factory=list)
     records: str | None = None
     compare: list[str] = field(default_factory=list)
+    copy_decays: list[float] = field(default_factory=list)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -55,3 +60,6 @@ class HeadFitConfig:
             raise ValueError(f"l2 must be at least 0, got {self.l2}")
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be at least 1, got {self.max_iter}")
+        bad = [d for d in self.copy_decays if not (float(d) >= 0 and float(d) != float("inf"))]
+        if bad:
+            raise ValueError(f"copy_decays are finite numbers ≥ 0 (0: every vote the same), got {bad}")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +244,57 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
     )
 
 
+def step_batches(cfg: TrainConfig, make: Any, step: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The collated micro-batches of optimizer step ``step`` of ``cfg``, as training reads them (examples
+    from ``make``, :func:`cepe.training.trainer.example_maker`; chunks regrouped as the step reads them)."""
+    from .data import collate, example_indices, regroup_chunks, step_chunk_length, step_decoder_length
+
+    for micro in range(cfg.batch_size // cfg.micro_batch_size):
+        idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
+        batch = collate([make(i, step_decoder_length(cfg, step, micro)) for i in idx])
+        length = step_chunk_length(cfg, step, micro)
+        yield batch if length is None else regroup_chunks(batch, length)
+
+
+def copy_target_probs(batch: dict[str, torch.Tensor], order: int, decay: float) -> torch.Tensor | None:
+    """The copy's probability of each scored target ``(N,)`` fp32 of one collated batch, in the order of
+    :func:`record_batch` (None where it records nothing: no context), with its votes weighed by ``decay``
+    (``CepeConfig.mix_copy_decay``) and suffixes up to ``order`` tokens: from the token ids alone, so
+    records made with one decay can be fitted with another."""
+    from cepe.mixture import context_successors, copy_spans
+
+    enc = batch.get("encoder_input_ids")
+    if enc is None:
+        return None
+    ids = enc.reshape(enc.shape[0], -1)
+    mask = batch.get("encoder_attention_mask")
+    if mask is not None:
+        ids = ids.masked_fill(~mask.reshape(ids.shape).bool(), -1)
+    if not bool((ids >= 0).any()):
+        return None
+    labels = batch["labels"]
+    sel = labels[:, 1:] != -100  # (B, T-1)
+    spans = copy_spans(batch["input_ids"], context_successors(ids, ids >= 0, order, decay=decay))
+    return spans[:, :-1][sel].target_probs(labels[:, 1:][sel])
+
+
+def recopy(cfg: TrainConfig, model: nn.Module, steps: int, decay: float) -> torch.Tensor:
+    """:attr:`TokenStats.p_copy` ``(N,)`` of the records of steps ``0 .. steps - 1`` of ``cfg``
+    (:func:`record`) with the copy's votes weighed by ``decay`` instead of the recipe's: the examples are
+    made again, the reader is not run."""
+    from .trainer import example_maker
+
+    make = example_maker(cfg, model)
+    order = int(model.cepe_config.mix_match)
+    parts = [
+        p
+        for step in range(steps)
+        for batch in step_batches(cfg, make, step)
+        if (p := copy_target_probs(batch, order, decay)) is not None
+    ]
+    return torch.cat(parts)
+
+
 def record(
     cfg: TrainConfig, model: nn.Module, stats_dir: Path, steps: int, progress: bool = True
 ) -> TokenStats:
@@ -253,7 +305,6 @@ def record(
     from cepe.compute import resolve_bf16
     from cepe.fileio import atomic_path, write_json
 
-    from .data import collate, example_indices, regroup_chunks, step_chunk_length, step_decoder_length
     from .speed import hold_frozen_linears
     from .trainer import example_maker
 
@@ -275,7 +326,6 @@ def record(
     make = example_maker(cfg, model)
     if use_bf16:  # the same bf16 matmuls as training, without a cast of each frozen weight per call
         hold_frozen_linears(model.decoder, torch.bfloat16)
-    accum = cfg.batch_size // cfg.micro_batch_size
     parts: list[TokenStats] = []
     bar = None
     if progress:
@@ -288,13 +338,7 @@ def record(
             got = [TokenStats(**d) for d in torch.load(path, weights_only=True)]
         else:
             got = []
-            for micro in range(accum):
-                idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
-                n_decoder = step_decoder_length(cfg, step, micro)
-                batch = collate([make(i, n_decoder) for i in idx])
-                length = step_chunk_length(cfg, step, micro)
-                if length is not None:
-                    batch = regroup_chunks(batch, length)
+            for batch in step_batches(cfg, make, step):
                 s = record_batch(model, batch, use_bf16)
                 if s is not None:
                     got.append(s)
@@ -502,6 +546,10 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             f"{_describe(names['mix_head'])} and {_describe(names['copy_head'])}"
         )
     others = {path: _compare_heads(path, names, d) for path in cfg.compare}  # fail before the long part
+    if cfg.copy_decays and not c.mix_copy:
+        raise ValueError(
+            "copy_decays weigh the copy's votes, and this recipe has no copy (cepe.mix_copy): drop copy_decays"
+        )
     stats = record(recipe, model, Path(cfg.records) if cfg.records else out / STATS_DIR, steps, cfg.progress)
     recorded_s = time.time() - t0
     held = (
@@ -520,11 +568,20 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     ]
     fitted, history = fit(train, start, cfg.max_iter, cfg.l2, masks)
     fit_s = time.time() - t1
+    col = names["mix_head"].index("n") if "n" in names["mix_head"] else None
+    swept = {}  # the same fit with the copy's votes weighed otherwise: held-out scores
+    for decay in cfg.copy_decays:
+        other = replace(stats, p_copy=recopy(recipe, model, steps, float(decay)))
+        if len(other.p_copy) != len(stats):
+            raise ValueError(
+                f"the records hold {len(stats)} tokens, the examples made again {len(other.p_copy)}: the "
+                "records are not of this recipe's examples (record them again: remove the records folder)"
+            )
+        heads_d, _ = fit(other.select(~held), start, cfg.max_iter, cfg.l2, masks)
+        swept[f"decay {float(decay):g}"] = _scores(other.select(held), heads_d, col)
     fitted.copy_into(model)
     model.eval()
     model.save_pretrained(out / "adapter")
-
-    col = names["mix_head"].index("n") if "n" in names["mix_head"] else None
 
     result: dict[str, Any] = {
         "config": asdict(cfg),
@@ -542,6 +599,7 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             "fitted, int8": _scores(test, int8_heads(fitted), col),
             "start": _scores(test, start, col),
             **{f"compare:{p}": _scores(test, h, col) for p, h in others.items()},
+            **swept,
             **{
                 name: {"nll": None}
                 if not len(test)
