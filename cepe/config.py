@@ -228,6 +228,11 @@ class CepeConfig:
             what comes next and a short match spreads the copy over wrong successors (a table whose keys
             recur). It moves with the reader alone, not with the heads, so ``cepe fit-heads`` can record
             it. Its weight starts at zero, as ``mix_copy_prob``'s.
+        mix_copy_top: with ``mix_copy``, one more input to the copy head alone: the largest share one token
+            has of the copy's votes, ``max_y p_copy(y)`` (``cepe.mixture.CopySpans.top_share``), so that μ
+            can trust a suffix whose successors nearly all agree though a few stray ones join as the
+            context grows (the agreements ``1 / d`` halve with one stray successor in a thousand). Its
+            weight starts at zero, as ``mix_copy_prob``'s.
         mix_copy_decay: with ``mix_copy``, the copy's votes weighed by how far before the context's end
             each stands: ``(1 + d / 64) ** -decay`` (``cepe.mixture.vote_weights``; 0: each occurrence one
             vote), so that a longer context adds far-back votes without drowning the successor just read.
@@ -271,6 +276,7 @@ class CepeConfig:
     mix_copy_prob: bool = False
     mix_copy_near: bool = False
     mix_copy_sure: bool = False
+    mix_copy_top: bool = False
     mix_copy_decay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -374,6 +380,11 @@ class CepeConfig:
             self.mix_copy_decay == 0 or self.mix_copy,
             "mix_copy_decay weighs the copy's votes: set mix_copy (and mix_match, output_mix) too, or "
             "mix_copy_decay: 0",
+        )
+        check(
+            not self.mix_copy_top or self.mix_copy,
+            "mix_copy_top is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
+            "or mix_copy_top: false",
         )
         check(
             not self.mix_copy_sure or self.mix_copy,

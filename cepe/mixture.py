@@ -43,18 +43,21 @@ def head_inputs(
     prob: bool = False,
     near: bool = False,
     sure: bool = False,
+    top: bool = False,
 ) -> list[str]:
     """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
     ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
     successor agreements (``agree``), and for the copy head ``p`` the mixture's probability of the copy's
     tokens (``prob``: :func:`copy_agreement_feature`) and ``r`` how far back the copied suffix last
     occurs (``near``: :func:`copy_recency_feature`) and ``u`` how sure the reader is of its next token
-    (``sure``: :func:`reader_sure_feature`)."""
+    (``sure``: :func:`reader_sure_feature`) and ``t`` the largest share one token has of the copy's votes
+    (``top``: :meth:`CopySpans.top_share`)."""
     names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
     names += [f"a{k}" for k in range(1, match + 1)] if agree else []
-    return names + (["p"] if prob else []) + (["r"] if near else []) + (["u"] if sure else [])
+    own = (["p"] if prob else []) + (["r"] if near else []) + (["u"] if sure else []) + (["t"] if top else [])
+    return names + own
 
 
 def mix_head(inputs: list[str], like: torch.Tensor) -> nn.Linear:
@@ -460,6 +463,24 @@ class CopySpans:
         flat = logp.reshape(-1, logp.shape[-1])
         out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=logp.device)
         out.index_add_(0, row, share * flat[row, tok].float().exp())
+        return out.reshape(self.lo.shape)
+
+    def top_share(self) -> torch.Tensor:
+        """``max_y p_copy(y)`` ``(...)`` in fp32: the largest share one token has of each position's votes
+        (``CepeConfig.mix_copy_top``; 0 where no suffix occurs). Unlike the agreement ``1 / d`` it stays
+        near 1 when a few stray successors join one that dominates. A position's votes are its suffix's
+        successors in token order (:class:`Successors`), so each token's votes are one run."""
+        row, tok, share = self._votes()
+        out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=self.lo.device)
+        if row.numel() == 0:
+            return out.reshape(self.lo.shape)
+        new = torch.ones_like(row, dtype=torch.bool)
+        new[1:] = (row[1:] != row[:-1]) | (tok[1:] != tok[:-1])
+        run = new.cumsum(0) - 1  # (E,) each vote's run of one token at one position
+        total = torch.zeros(int(run[-1]) + 1, dtype=torch.float32, device=row.device).index_add_(
+            0, run, share
+        )
+        out.scatter_reduce_(0, row[new], total, reduce="amax")
         return out.reshape(self.lo.shape)
 
     def probs(self, vocab: int) -> torch.Tensor:

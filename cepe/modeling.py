@@ -123,10 +123,11 @@ class CepeForCausalLM(nn.Module):
             head.bias.fill_(COPY_BIAS)
         return head
 
-    def _copy_own(self) -> tuple[bool, bool, bool]:
-        """Which inputs of its own the copy head takes: ``(mix_copy_prob, mix_copy_near, mix_copy_sure)``."""
+    def _copy_own(self) -> tuple[bool, bool, bool, bool]:
+        """Which inputs of its own the copy head takes: ``(mix_copy_prob, mix_copy_near, mix_copy_sure,
+        mix_copy_top)``."""
         c = self.cepe_config
-        return c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure
+        return c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -411,13 +412,16 @@ class CepeForCausalLM(nn.Module):
             )
         self.cepe_config.mix_copy_decay = float(decay)
 
-    def enable_output_copy(self, prob: bool = False, near: bool = False, sure: bool = False) -> None:
+    def enable_output_copy(
+        self, prob: bool = False, near: bool = False, sure: bool = False, top: bool = False
+    ) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
         0.018 wherever a suffix occurs, so this changes the function there until the head trains), with
         ``prob`` its input of the mixture's probability of the copy's tokens (``mix_copy_prob``) and
         ``near`` its input of how far back the copied suffix last occurs (``mix_copy_near``) and ``sure``
-        its input of how sure the reader is of its next token (``mix_copy_sure``); a copy head
+        its input of how sure the reader is of its next token (``mix_copy_sure``) and ``top`` its input of
+        the largest share one token has of the copy's votes (``mix_copy_top``); a copy head
         trained without those inputs gets them with zero weights (its function unchanged). Idempotent (it
         never removes an input); raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
         c = self.cepe_config
@@ -426,14 +430,14 @@ class CepeForCausalLM(nn.Module):
                 "mix_copy needs the output mixture with suffix-match inputs: enable_output_mix first"
             )
         if self.copy_head is None:
-            c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure = prob, near, sure
+            c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top = prob, near, sure, top
             self.copy_head = self._new_copy_head()
-        elif any(want and not has for want, has in zip((prob, near, sure), self._copy_own())):
+        elif any(want and not has for want, has in zip((prob, near, sure, top), self._copy_own())):
             d = int(self.decoder.config.hidden_size)
             args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
             old = head_inputs(*args, *self._copy_own())
             c.mix_copy_prob, c.mix_copy_near = c.mix_copy_prob or prob, c.mix_copy_near or near
-            c.mix_copy_sure = c.mix_copy_sure or sure
+            c.mix_copy_sure, c.mix_copy_top = c.mix_copy_sure or sure, c.mix_copy_top or top
             self.copy_head = widen_head(self.copy_head, old, head_inputs(*args, *self._copy_own()))
         c.mix_copy = True
 
@@ -454,6 +458,7 @@ class CepeForCausalLM(nn.Module):
             "mix_copy_prob",
             "mix_copy_near",
             "mix_copy_sure",
+            "mix_copy_top",
             "mix_copy_decay",
         )
         for name in names:
@@ -870,8 +875,9 @@ class CepeForCausalLM(nn.Module):
         ``mix_copy_prob`` from ``expect`` ``(...)``, the mixture's probability of a draw from the copy
         (:func:`cepe.mixture.copy_agreement_feature`), with ``mix_copy_near`` from the copy spans ``copy``
         ``(...)`` (:func:`cepe.mixture.copy_recency_feature`), with ``mix_copy_sure`` from ``top`` ``(...)``,
-        the reader's log-probability of its most probable token (:func:`cepe.mixture.reader_sure_feature`);
-        each required exactly when the head takes it."""
+        the reader's log-probability of its most probable token (:func:`cepe.mixture.reader_sure_feature`),
+        with ``mix_copy_top`` from the copy spans (:meth:`cepe.mixture.CopySpans.top_share`); each required
+        exactly when the head takes it."""
         c = self.cepe_config
         if self.copy_head is None:
             raise ValueError("this adapter has no copy head (mix_copy): enable_output_copy first")
@@ -879,7 +885,8 @@ class CepeForCausalLM(nn.Module):
         if any(self._copy_own()):
             if copy is None or (c.mix_copy_prob and expect is None) or (c.mix_copy_sure and top is None):
                 raise ValueError(
-                    "this copy head takes inputs of its own (mix_copy_prob, mix_copy_near, mix_copy_sure): "
+                    "this copy head takes inputs of its own (mix_copy_prob, mix_copy_near, mix_copy_sure, "
+                    "mix_copy_top): "
                     "give the copy spans, with mix_copy_prob the mixture's expectation of the copy and "
                     "with mix_copy_sure the reader's top log-probability"
                 )
@@ -889,6 +896,8 @@ class CepeForCausalLM(nn.Module):
                 own.append(copy_recency_feature(copy))
             if c.mix_copy_sure:
                 own.append(reader_sure_feature(top, copy.has))
+            if c.mix_copy_top:
+                own.append(copy.top_share())
             match = torch.cat([match, torch.stack(own, dim=-1).to(match.dtype)], dim=-1)
         return mix_logit(self.copy_head, h_ctx, h_dec, match, c.mix_hidden)
 

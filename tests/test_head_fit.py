@@ -34,6 +34,7 @@ HEADS_ONLY = {
     "mix_copy": True,
     "mix_copy_near": True,
     "mix_copy_sure": True,
+    "mix_copy_top": True,
 }
 
 
@@ -94,8 +95,10 @@ def test_recorded_stats_give_the_training_loss(tmp_path, cap):
     assert stats is not None and set(stats.task.tolist()) == {0, 1, 2}
     assert bool(stats.has.any()) and not bool(stats.has.all())
     assert not torch.equal(stats.lp_ctx, stats.lp_dec)  # the reader reads
-    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 2  # the recency and the reader's certainty
-    assert (stats.x_copy[stats.has, -1] < 0).all() and (stats.x_copy[~stats.has, -1] == 0).all()
+    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 3  # recency, the reader's certainty, top share
+    assert (stats.x_copy[stats.has, -2] < 0).all() and (stats.x_copy[~stats.has, -2] == 0).all()
+    top = stats.x_copy[:, -1]
+    assert (top[stats.has] > 0).all() and (top[stats.has] <= 1).all() and (top[~stats.has] == 0).all()
     module = StageModule(model, cfg)
     trained = {k: v for k, v in batch.items() if k != "index"}
     loss, _ = module(trained)
@@ -254,7 +257,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         )
         assert over.cepe_config.mix_length_cap == cap
     m.enable_output_copy(near=True)
-    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 7
+    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 8
     m.save_pretrained(wide)
     both = run_head_fit(
         HeadFitConfig(
@@ -267,9 +270,15 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     assert both[f"compare:{plain}"]["nll"] == pytest.approx(both[f"compare:{wide}"]["nll"], abs=1e-9)
     assert both[f"compare:{plain}"]["nll"] != pytest.approx(both["start"]["nll"], abs=1e-3)
     none = tmp_path / "none"
-    cfg_none = {**HEADS_ONLY, "mix_copy": False, "mix_copy_near": False, "mix_copy_sure": False}
+    cfg_none = {
+        **HEADS_ONLY,
+        "mix_copy": False,
+        "mix_copy_near": False,
+        "mix_copy_sure": False,
+        "mix_copy_top": False,
+    }
     build_model(load_config(_recipe(tmp_path, cepe=cfg_none, train_only=["mix_head"]))).save_pretrained(none)
-    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 7 inputs"):
+    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 8 inputs"):
         run_head_fit(
             HeadFitConfig(
                 recipe=str(other), output_dir=str(tmp_path / "f3"), compare=[str(none)], progress=False
@@ -324,12 +333,20 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
     model = build_model(cfg)
     monkeypatch.setattr(hf, "record_batch", None)  # the reader is not run
     for decay, want in ((1.5, True), (0.0, False)):
-        again = hf.recopy(cfg, model, 3, decay)
-        assert torch.equal(again, TokenStats.cat(stats).p_copy) == want
+        again, top = hf.recopy(cfg, model, 3, decay)
+        recorded = TokenStats.cat(stats)
+        assert torch.equal(again, recorded.p_copy) == want
+        assert torch.equal(top, recorded.x_copy[:, -1]) == want  # the top share, recorded in fp32 here
     monkeypatch.undo()
     plain = _recipe(  # a fresh reader with the mixture alone
         tmp_path,
-        cepe={**HEADS_ONLY, "mix_copy": False, "mix_copy_near": False, "mix_copy_sure": False},
+        cepe={
+            **HEADS_ONLY,
+            "mix_copy": False,
+            "mix_copy_near": False,
+            "mix_copy_sure": False,
+            "mix_copy_top": False,
+        },
         train_only=["mix_head"],
     )
     none = tmp_path / "nocopy.yaml"

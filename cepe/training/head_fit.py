@@ -140,7 +140,7 @@ def head_names(c: Any, hidden_size: int) -> dict[str, list[str] | None]:
     shared = (hidden_size, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
     return {
         "mix_head": head_inputs(*shared) if c.output_mix else None,
-        "copy_head": head_inputs(*shared, c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure)
+        "copy_head": head_inputs(*shared, c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top)
         if c.mix_copy
         else None,
     }
@@ -227,6 +227,8 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
             own.append(copy_recency_feature(cp))
         if top is not None:
             own.append(reader_sure_feature(top, cp.has))
+        if model.cepe_config.mix_copy_top:
+            own.append(cp.top_share())
         xc = torch.cat([m, torch.stack(own, dim=-1).to(m.dtype)], dim=-1) if own else m
         x_copy = xc.to(h.dtype).float()
     rows = sel.nonzero()[:, 0]  # (N,) each token's row
@@ -256,9 +258,12 @@ def step_batches(cfg: TrainConfig, make: Any, step: int) -> Iterator[dict[str, t
         yield batch if length is None else regroup_chunks(batch, length)
 
 
-def copy_target_probs(batch: dict[str, torch.Tensor], order: int, decay: float) -> torch.Tensor | None:
-    """The copy's probability of each scored target ``(N,)`` fp32 of one collated batch, in the order of
-    :func:`record_batch` (None where it records nothing: no context), with its votes weighed by ``decay``
+def copy_target_probs(
+    batch: dict[str, torch.Tensor], order: int, decay: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The copy's probability of each scored target ``(N,)`` fp32 of one collated batch and the largest
+    share one token has of its votes ``(N,)`` (the ``mix_copy_top`` input), in the order of
+    :func:`record_batch` (None where it records nothing: no context), with the votes weighed by ``decay``
     (``CepeConfig.mix_copy_decay``) and suffixes up to ``order`` tokens: from the token ids alone, so
     records made with one decay can be fitted with another."""
     from cepe.mixture import context_successors, copy_spans
@@ -275,24 +280,25 @@ def copy_target_probs(batch: dict[str, torch.Tensor], order: int, decay: float) 
     labels = batch["labels"]
     sel = labels[:, 1:] != -100  # (B, T-1)
     spans = copy_spans(batch["input_ids"], context_successors(ids, ids >= 0, order, decay=decay))
-    return spans[:, :-1][sel].target_probs(labels[:, 1:][sel])
+    cp = spans[:, :-1][sel]
+    return cp.target_probs(labels[:, 1:][sel]), cp.top_share()
 
 
-def recopy(cfg: TrainConfig, model: nn.Module, steps: int, decay: float) -> torch.Tensor:
+def recopy(cfg: TrainConfig, model: nn.Module, steps: int, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:attr:`TokenStats.p_copy` ``(N,)`` of the records of steps ``0 .. steps - 1`` of ``cfg``
-    (:func:`record`) with the copy's votes weighed by ``decay`` instead of the recipe's: the examples are
-    made again, the reader is not run."""
+    (:func:`record`), and the copy's top share ``(N,)``, with the copy's votes weighed by ``decay`` instead
+    of the recipe's: the examples are made again, the reader is not run."""
     from .trainer import example_maker
 
     make = example_maker(cfg, model)
     order = int(model.cepe_config.mix_match)
     parts = [
-        p
+        got
         for step in range(steps)
         for batch in step_batches(cfg, make, step)
-        if (p := copy_target_probs(batch, order, decay)) is not None
+        if (got := copy_target_probs(batch, order, decay)) is not None
     ]
-    return torch.cat(parts)
+    return torch.cat([p for p, _ in parts]), torch.cat([t for _, t in parts])
 
 
 def record(
@@ -523,6 +529,7 @@ def _named(weights: torch.Tensor | None, names: list[str] | None) -> dict[str, f
 
 def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     """Record, fit, score and write (see the module's docstring); returns what ``fit.json`` holds."""
+    from cepe.compute import resolve_bf16
     from cepe.fileio import write_json, write_text
 
     from .config import load_config
@@ -570,13 +577,21 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     fit_s = time.time() - t1
     col = names["mix_head"].index("n") if "n" in names["mix_head"] else None
     swept = {}  # the same fit with the copy's votes weighed otherwise: held-out scores
+    t_col = (names["copy_head"] or []).index("t") if "t" in (names["copy_head"] or []) else None
     for decay in cfg.copy_decays:
-        other = replace(stats, p_copy=recopy(recipe, model, steps, float(decay)))
-        if len(other.p_copy) != len(stats):
+        p_copy, top = recopy(recipe, model, steps, float(decay))
+        if len(p_copy) != len(stats):
             raise ValueError(
-                f"the records hold {len(stats)} tokens, the examples made again {len(other.p_copy)}: the "
+                f"the records hold {len(stats)} tokens, the examples made again {len(p_copy)}: the "
                 "records are not of this recipe's examples (record them again: remove the records folder)"
             )
+        other = replace(stats, p_copy=p_copy)
+        if (
+            t_col is not None
+        ):  # the top share moves with the decay too (as recorded: the compute dtype's rounding)
+            other.x_copy = stats.x_copy.clone()
+            dtype = torch.bfloat16 if resolve_bf16(recipe.bf16, "cpu") else torch.float32
+            other.x_copy[:, t_col] = top.to(dtype).float()
         heads_d, _ = fit(other.select(~held), start, cfg.max_iter, cfg.l2, masks)
         swept[f"decay {float(decay):g}"] = _scores(other.select(held), heads_d, col)
     fitted.copy_into(model)

@@ -149,7 +149,10 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 model.set_mix_length_cap(cfg.cepe["mix_length_cap"])
         if cfg.cepe.get("mix_copy"):  # the copy after the longest matched suffix, and its head
             model.enable_output_copy(
-                *(bool(cfg.cepe.get(k, False)) for k in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure"))
+                *(
+                    bool(cfg.cepe.get(k, False))
+                    for k in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure", "mix_copy_top")
+                )
             )
             if "mix_copy_decay" in cfg.cepe:  # the copy's votes weighed by how far back they stand
                 model.set_mix_copy_decay(float(cfg.cepe["mix_copy_decay"]))
