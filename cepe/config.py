@@ -233,6 +233,12 @@ class CepeConfig:
             can trust a suffix whose successors nearly all agree though a few stray ones join as the
             context grows (the agreements ``1 / d`` halve with one stray successor in a thousand). Its
             weight starts at zero, as ``mix_copy_prob``'s.
+        mix_copy_read: with ``mix_copy``, one more input to the copy head alone: how probable the reader
+            (the side with the context, not the mixture) finds what the copy proposes,
+            ``max(log Σ_y p_copy(y)·p_cepe(y), −16) / 8`` (``cepe.mixture.copy_agreement_feature``), so that
+            μ can tell a match whose successor the reader finds unlikely (a name met once, followed there
+            by another word) from one it expects. Unlike ``mix_copy_prob`` it moves with the reader alone,
+            so ``cepe fit-heads`` can record it. Its weight starts at zero, as ``mix_copy_prob``'s.
         mix_copy_decay: with ``mix_copy``, the copy's votes weighed by how far before the context's end
             each stands: ``(1 + d / 64) ** -decay`` (``cepe.mixture.vote_weights``; 0: each occurrence one
             vote), so that a longer context adds far-back votes without drowning the successor just read.
@@ -277,6 +283,7 @@ class CepeConfig:
     mix_copy_near: bool = False
     mix_copy_sure: bool = False
     mix_copy_top: bool = False
+    mix_copy_read: bool = False
     mix_copy_decay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -380,6 +387,11 @@ class CepeConfig:
             self.mix_copy_decay == 0 or self.mix_copy,
             "mix_copy_decay weighs the copy's votes: set mix_copy (and mix_match, output_mix) too, or "
             "mix_copy_decay: 0",
+        )
+        check(
+            not self.mix_copy_read or self.mix_copy,
+            "mix_copy_read is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
+            "or mix_copy_read: false",
         )
         check(
             not self.mix_copy_top or self.mix_copy,

@@ -44,6 +44,7 @@ def head_inputs(
     near: bool = False,
     sure: bool = False,
     top: bool = False,
+    read: bool = False,
 ) -> list[str]:
     """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
     ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
@@ -51,13 +52,14 @@ def head_inputs(
     tokens (``prob``: :func:`copy_agreement_feature`) and ``r`` how far back the copied suffix last
     occurs (``near``: :func:`copy_recency_feature`) and ``u`` how sure the reader is of its next token
     (``sure``: :func:`reader_sure_feature`) and ``t`` the largest share one token has of the copy's votes
-    (``top``: :meth:`CopySpans.top_share`)."""
+    (``top``: :meth:`CopySpans.top_share`) and ``q`` how probable the reader finds what the copy proposes
+    (``read``: :func:`copy_agreement_feature` of the reader's expectation)."""
     names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
     names += [f"a{k}" for k in range(1, match + 1)] if agree else []
     own = (["p"] if prob else []) + (["r"] if near else []) + (["u"] if sure else []) + (["t"] if top else [])
-    return names + own
+    return names + own + (["q"] if read else [])
 
 
 def mix_head(inputs: list[str], like: torch.Tensor) -> nn.Linear:

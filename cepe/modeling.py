@@ -123,11 +123,11 @@ class CepeForCausalLM(nn.Module):
             head.bias.fill_(COPY_BIAS)
         return head
 
-    def _copy_own(self) -> tuple[bool, bool, bool, bool]:
+    def _copy_own(self) -> tuple[bool, bool, bool, bool, bool]:
         """Which inputs of its own the copy head takes: ``(mix_copy_prob, mix_copy_near, mix_copy_sure,
-        mix_copy_top)``."""
+        mix_copy_top, mix_copy_read)``."""
         c = self.cepe_config
-        return c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top
+        return c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top, c.mix_copy_read
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -413,7 +413,12 @@ class CepeForCausalLM(nn.Module):
         self.cepe_config.mix_copy_decay = float(decay)
 
     def enable_output_copy(
-        self, prob: bool = False, near: bool = False, sure: bool = False, top: bool = False
+        self,
+        prob: bool = False,
+        near: bool = False,
+        sure: bool = False,
+        top: bool = False,
+        read: bool = False,
     ) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
@@ -421,7 +426,8 @@ class CepeForCausalLM(nn.Module):
         ``prob`` its input of the mixture's probability of the copy's tokens (``mix_copy_prob``) and
         ``near`` its input of how far back the copied suffix last occurs (``mix_copy_near``) and ``sure``
         its input of how sure the reader is of its next token (``mix_copy_sure``) and ``top`` its input of
-        the largest share one token has of the copy's votes (``mix_copy_top``); a copy head
+        the largest share one token has of the copy's votes (``mix_copy_top``) and ``read`` its input of
+        how probable the reader finds what the copy proposes (``mix_copy_read``); a copy head
         trained without those inputs gets them with zero weights (its function unchanged). Idempotent (it
         never removes an input); raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
         c = self.cepe_config
@@ -431,13 +437,15 @@ class CepeForCausalLM(nn.Module):
             )
         if self.copy_head is None:
             c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top = prob, near, sure, top
+            c.mix_copy_read = read
             self.copy_head = self._new_copy_head()
-        elif any(want and not has for want, has in zip((prob, near, sure, top), self._copy_own())):
+        elif any(want and not has for want, has in zip((prob, near, sure, top, read), self._copy_own())):
             d = int(self.decoder.config.hidden_size)
             args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
             old = head_inputs(*args, *self._copy_own())
             c.mix_copy_prob, c.mix_copy_near = c.mix_copy_prob or prob, c.mix_copy_near or near
             c.mix_copy_sure, c.mix_copy_top = c.mix_copy_sure or sure, c.mix_copy_top or top
+            c.mix_copy_read = c.mix_copy_read or read
             self.copy_head = widen_head(self.copy_head, old, head_inputs(*args, *self._copy_own()))
         c.mix_copy = True
 
@@ -459,6 +467,7 @@ class CepeForCausalLM(nn.Module):
             "mix_copy_near",
             "mix_copy_sure",
             "mix_copy_top",
+            "mix_copy_read",
             "mix_copy_decay",
         )
         for name in names:
@@ -797,7 +806,15 @@ class CepeForCausalLM(nn.Module):
             mixed, lc = self._mixture_logits(hc, hd, m)  # (N, V) each
             nll = F.cross_entropy(mixed, y, reduction="none")  # (N,)
             if cp is not None:  # the copy's probability of each target, no (N, V) copy distributions
-                c = self.copy_logit(hc, hd, m, cp, self._copy_expectation(mixed, cp), self._reader_top(lc))
+                c = self.copy_logit(
+                    hc,
+                    hd,
+                    m,
+                    cp,
+                    self._copy_expectation(mixed, cp),
+                    self._reader_top(lc),
+                    self._reader_expectation(lc, cp),
+                )
                 nll = copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
             loss = nll.sum() / sel.sum().clamp_min(1)
         logits = None
@@ -831,7 +848,13 @@ class CepeForCausalLM(nn.Module):
         if copy is None:
             return logits
         c = self.copy_logit(
-            h_ctx, h_dec, match, copy, self._copy_expectation(logits, copy), self._reader_top(lc)
+            h_ctx,
+            h_dec,
+            match,
+            copy,
+            self._copy_expectation(logits, copy),
+            self._reader_top(lc),
+            self._reader_expectation(lc, copy),
         )
         return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
 
@@ -843,6 +866,14 @@ class CepeForCausalLM(nn.Module):
             return None
         with torch.no_grad():
             return copy.expected(logits.float().log_softmax(-1))
+
+    def _reader_expectation(self, logits_ctx: torch.Tensor, copy: CopySpans) -> torch.Tensor | None:
+        """``Σ_y p_copy(y)·p_cepe(y)`` ``(...)`` from the reader's logits ``(..., V)`` (no gradient flows
+        through it) for the ``mix_copy_read`` input, or None when the head does not take it."""
+        if not self.cepe_config.mix_copy_read:
+            return None
+        with torch.no_grad():
+            return copy.expected(logits_ctx.float().log_softmax(-1))
 
     def _reader_top(self, logits_ctx: torch.Tensor) -> torch.Tensor | None:
         """The reader's log-probability of its most probable token ``(...)`` from its logits ``(..., V)`` (no
@@ -869,6 +900,7 @@ class CepeForCausalLM(nn.Module):
         copy: CopySpans | None = None,
         expect: torch.Tensor | None = None,
         top: torch.Tensor | None = None,
+        read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The copy logit ``(...)`` (μ = σ(c) where a suffix occurs) of the copy head
         (``CepeConfig.mix_copy``), over the mixing head's inputs and the copy head's own: with
@@ -876,19 +908,25 @@ class CepeForCausalLM(nn.Module):
         (:func:`cepe.mixture.copy_agreement_feature`), with ``mix_copy_near`` from the copy spans ``copy``
         ``(...)`` (:func:`cepe.mixture.copy_recency_feature`), with ``mix_copy_sure`` from ``top`` ``(...)``,
         the reader's log-probability of its most probable token (:func:`cepe.mixture.reader_sure_feature`),
-        with ``mix_copy_top`` from the copy spans (:meth:`cepe.mixture.CopySpans.top_share`); each required
-        exactly when the head takes it."""
+        with ``mix_copy_top`` from the copy spans (:meth:`cepe.mixture.CopySpans.top_share`), with
+        ``mix_copy_read`` from ``read`` ``(...)``, the reader's probability of a draw from the copy; each
+        required exactly when the head takes it."""
         c = self.cepe_config
         if self.copy_head is None:
             raise ValueError("this adapter has no copy head (mix_copy): enable_output_copy first")
         own = []
         if any(self._copy_own()):
-            if copy is None or (c.mix_copy_prob and expect is None) or (c.mix_copy_sure and top is None):
+            if (
+                copy is None
+                or (c.mix_copy_prob and expect is None)
+                or (c.mix_copy_sure and top is None)
+                or (c.mix_copy_read and read is None)
+            ):
                 raise ValueError(
                     "this copy head takes inputs of its own (mix_copy_prob, mix_copy_near, mix_copy_sure, "
-                    "mix_copy_top): "
-                    "give the copy spans, with mix_copy_prob the mixture's expectation of the copy and "
-                    "with mix_copy_sure the reader's top log-probability"
+                    "mix_copy_top, mix_copy_read): give the copy spans, with mix_copy_prob the mixture's "
+                    "expectation of the copy, with mix_copy_sure the reader's top log-probability and with "
+                    "mix_copy_read the reader's expectation of the copy"
                 )
             if c.mix_copy_prob:
                 own.append(copy_agreement_feature(expect, copy.has))
@@ -898,6 +936,8 @@ class CepeForCausalLM(nn.Module):
                 own.append(reader_sure_feature(top, copy.has))
             if c.mix_copy_top:
                 own.append(copy.top_share())
+            if c.mix_copy_read:
+                own.append(copy_agreement_feature(read, copy.has))
             match = torch.cat([match, torch.stack(own, dim=-1).to(match.dtype)], dim=-1)
         return mix_logit(self.copy_head, h_ctx, h_dec, match, c.mix_hidden)
 

@@ -35,6 +35,7 @@ HEADS_ONLY = {
     "mix_copy_near": True,
     "mix_copy_sure": True,
     "mix_copy_top": True,
+    "mix_copy_read": True,
 }
 
 
@@ -61,11 +62,12 @@ def _recipe(tmp_path, **over) -> dict:
     return d
 
 
-def _reader(tmp_path):
-    """A tiny adapter that reads (random o_proj) with random heads, saved as the recipes' init_adapter."""
+def _reader(tmp_path, **over):
+    """A tiny adapter that reads (random o_proj) with random heads, saved as the recipes' init_adapter
+    (``over``: recipe fields of its own)."""
     from cepe.training.models import build_model
 
-    model = build_model(load_config(_recipe(tmp_path)))
+    model = build_model(load_config(_recipe(tmp_path, **over)))
     torch.manual_seed(3)
     with torch.no_grad():
         for m in model.cross_attention_modules():
@@ -95,9 +97,11 @@ def test_recorded_stats_give_the_training_loss(tmp_path, cap):
     assert stats is not None and set(stats.task.tolist()) == {0, 1, 2}
     assert bool(stats.has.any()) and not bool(stats.has.all())
     assert not torch.equal(stats.lp_ctx, stats.lp_dec)  # the reader reads
-    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 3  # recency, the reader's certainty, top share
-    assert (stats.x_copy[stats.has, -2] < 0).all() and (stats.x_copy[~stats.has, -2] == 0).all()
-    top = stats.x_copy[:, -1]
+    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 4  # recency, certainty, top share, agreement
+    assert (stats.x_copy[stats.has, -3] < 0).all() and (stats.x_copy[~stats.has, -3] == 0).all()
+    q = stats.x_copy[:, -1]  # the reader's probability of the copy's tokens, log / 8
+    assert (q[stats.has] <= 0).all() and (q[stats.has] < -0.05).any() and (q[~stats.has] == 0).all()
+    top = stats.x_copy[:, -2]
     assert (top[stats.has] > 0).all() and (top[stats.has] <= 1).all() and (top[~stats.has] == 0).all()
     module = StageModule(model, cfg)
     trained = {k: v for k, v in batch.items() if k != "index"}
@@ -257,7 +261,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         )
         assert over.cepe_config.mix_length_cap == cap
     m.enable_output_copy(near=True)
-    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 8
+    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 9
     m.save_pretrained(wide)
     both = run_head_fit(
         HeadFitConfig(
@@ -276,9 +280,10 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         "mix_copy_near": False,
         "mix_copy_sure": False,
         "mix_copy_top": False,
+        "mix_copy_read": False,
     }
     build_model(load_config(_recipe(tmp_path, cepe=cfg_none, train_only=["mix_head"]))).save_pretrained(none)
-    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 8 inputs"):
+    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 9 inputs"):
         run_head_fit(
             HeadFitConfig(
                 recipe=str(other), output_dir=str(tmp_path / "f3"), compare=[str(none)], progress=False
@@ -309,10 +314,11 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
     import cepe.training.head_fit as hf
     from cepe.training.models import build_model
 
-    reader = _reader(tmp_path)
+    own = {**HEADS_ONLY, "mix_copy_read": False}
+    reader = _reader(tmp_path, cepe=own)
     recipe, decayed = tmp_path / "recipe.yaml", tmp_path / "decayed.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader))))
-    d = _recipe(tmp_path, init_adapter=str(reader), cepe={**HEADS_ONLY, "mix_copy_decay": 1.5})
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), cepe=own)))
+    d = _recipe(tmp_path, init_adapter=str(reader), cepe={**own, "mix_copy_decay": 1.5})
     d["output_dir"] = str(tmp_path / "decayed")
     decayed.write_text(yaml.safe_dump(d))
     got = run_head_fit(
@@ -336,7 +342,7 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
         again, top = hf.recopy(cfg, model, 3, decay)
         recorded = TokenStats.cat(stats)
         assert torch.equal(again, recorded.p_copy) == want
-        assert torch.equal(top, recorded.x_copy[:, -1]) == want  # the top share, recorded in fp32 here
+        assert torch.equal(top, recorded.x_copy[:, -1]) == want  # the top share (last here), recorded in fp32
     monkeypatch.undo()
     plain = _recipe(  # a fresh reader with the mixture alone
         tmp_path,
@@ -346,6 +352,7 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
             "mix_copy_near": False,
             "mix_copy_sure": False,
             "mix_copy_top": False,
+            "mix_copy_read": False,
         },
         train_only=["mix_head"],
     )
@@ -353,6 +360,10 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
     none.write_text(yaml.safe_dump(plain))
     with pytest.raises(ValueError, match="this recipe has no copy"):
         run_head_fit(HeadFitConfig(recipe=str(none), copy_decays=[1.0], progress=False))
+    reads = tmp_path / "reads.yaml"
+    reads.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader))))  # the recipe adds the input
+    with pytest.raises(ValueError, match="moves with the decay"):
+        run_head_fit(HeadFitConfig(recipe=str(reads), copy_decays=[1.0], progress=False))
 
 
 def test_config_checks():

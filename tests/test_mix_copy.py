@@ -136,12 +136,14 @@ def _copying(
     sure: bool = False,
     decay: float = 0.0,
     top: bool = False,
+    read: bool = False,
 ) -> CepeForCausalLM:
     """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``,
-    ``near``, ``sure``, ``top``: with the copy head's own inputs; ``decay``: its votes weighed by recency)."""
+    ``near``, ``sure``, ``top``, ``read``: with the copy head's own inputs; ``decay``: its votes weighed by
+    recency)."""
     model = _matched(hidden)
     model.enable_output_mix(3, hidden, length=length, agree=agree)
-    model.enable_output_copy(prob, near, sure, top)
+    model.enable_output_copy(prob, near, sure, top, read)
     model.set_mix_copy_decay(decay)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -164,15 +166,16 @@ def _copying(
         (False, True, True, True, True, 1.0, True),
     ],
 )
-def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top):
+@pytest.mark.parametrize("read", [False, True])
+def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top, read):
     """Logits = the reference mixture, then the reference copy of each example's real context tokens
     mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` the
     mixture's probability of a draw from the copy, floored log / 8; with ``mix_copy_near`` log(1 + d / 64)
     / 4 of the matched suffix's most recent distance, by the scanning reference; with ``mix_copy_sure``
     the reader's largest log-probability, floored / 8; with ``mix_copy_decay`` the votes weighed by the
-    reference; with ``mix_copy_top`` the reference copy's largest probability); the loss is their
-    cross-entropy."""
-    model = _copying(hidden, agree=agree, prob=prob, near=near, sure=sure, decay=decay, top=top)
+    reference; with ``mix_copy_top`` the reference copy's largest probability; with ``mix_copy_read`` the
+    reader's probability of a draw from the copy, floored log / 8); the loss is their cross-entropy."""
+    model = _copying(hidden, agree=agree, prob=prob, near=near, sure=sure, decay=decay, top=top, read=read)
     ids, enc_ids, enc_mask = _padded_case()
     ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
@@ -210,6 +213,11 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top
         t = copy.amax(-1)
         assert ((t < 0.99) & has).any()  # the input is not trivially one
         x = torch.cat([x, t[..., None].to(x.dtype)], dim=-1)
+    if read:
+        s = (copy.double() * lc.double().softmax(-1)).sum(-1)
+        q = torch.where(has, s.log().clamp_min(-16.0) / 8, torch.zeros_like(s))
+        assert (q[has] < -0.05).any()  # the input is not trivially zero
+        x = torch.cat([x, q[..., None].to(x.dtype)], dim=-1)
     c = mix_logit(model.copy_head, h_ctx, h_dec, x, hidden)
     want = copy_mix_logits_ref(mixed, c, copy, has)
     torch.testing.assert_close(out.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
@@ -270,11 +278,12 @@ def test_the_nearest_occurrence_agrees_with_a_scan():
         (True, True, True, 1.0, True),
     ],
 )
-def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure, decay, top):
+@pytest.mark.parametrize("read", [False, True])
+def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure, decay, top, read):
     """The fast loss (each side's log-probability of the target, the copy's probability of it, with
     ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows; votes weighed with
     ``decay``) equals the cross-entropy of the mixed logits, and so do their gradients on both heads."""
-    model = _copying(agree=True, prob=prob, near=near, sure=sure, decay=decay, top=top)
+    model = _copying(agree=True, prob=prob, near=near, sure=sure, decay=decay, top=top, read=read)
     ids, enc_ids, enc_mask = _padded_case()
     labels = ids.clone()
     labels[0, :2] = -100
@@ -416,7 +425,7 @@ def test_invariants_no_context_and_no_match_are_the_mixture():
 def test_incremental_calls_continue_the_copy(mode):
     check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
     check_incremental_calls(
-        _copying(agree=True, prob=True, near=True, sure=True, decay=1.0, top=True),
+        _copying(agree=True, prob=True, near=True, sure=True, decay=1.0, top=True, read=True),
         mode,
         _few_tokens((2, 10), 2),
         _few_tokens((2, 3, 8), 3),
@@ -425,7 +434,7 @@ def test_incremental_calls_continue_the_copy(mode):
 
 def test_beam_search_with_the_copy():
     check_beam_scores(_copying(hidden=True))
-    check_beam_scores(_copying(prob=True, near=True, sure=True, decay=0.5, top=True))
+    check_beam_scores(_copying(prob=True, near=True, sure=True, decay=0.5, top=True, read=True))
 
 
 def test_vote_decay_saves_loads_and_refuses_bad_values(tmp_path):

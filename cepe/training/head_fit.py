@@ -140,7 +140,9 @@ def head_names(c: Any, hidden_size: int) -> dict[str, list[str] | None]:
     shared = (hidden_size, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
     return {
         "mix_head": head_inputs(*shared) if c.output_mix else None,
-        "copy_head": head_inputs(*shared, c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top)
+        "copy_head": head_inputs(
+            *shared, c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top, c.mix_copy_read
+        )
         if c.mix_copy
         else None,
     }
@@ -180,9 +182,9 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
     """The :class:`TokenStats` of one collated batch (with ``task`` and ``index``; chunks as the step reads
     them), computed as :class:`~cepe.training.models.StageModule` computes the loss; None where the batch
     has no context (the heads take no part there)."""
-    from cepe.mixture import copy_recency_feature, reader_sure_feature, top_logprob
+    from cepe.mixture import copy_agreement_feature, copy_recency_feature, reader_sure_feature, top_logprob
 
-    from .speed import HeadWeight, chunked_target_logprobs, chunked_top_logprob
+    from .speed import HeadWeight, chunked_copy_expectation, chunked_target_logprobs, chunked_top_logprob
 
     dev = batch["input_ids"].device
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -203,20 +205,28 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h.dtype
         cp = None if model.copy_head is None else copy[:, :-1][sel]  # (N,) where each token's copy lies
         top = None  # (N,) the reader's top log-probability where a suffix occurs (mix_copy_sure)
+        read = None  # (N,) the reader's probability of a draw from the copy (mix_copy_read)
+        want_top = cp is not None and model.cepe_config.mix_copy_sure
+        want_read = cp is not None and model.cepe_config.mix_copy_read
         if getattr(model.decoder.config, "final_logit_softcapping", None):  # the model's own capped head
             lp_ctx, lp_dec = (
                 model.lm_logits(x).float().log_softmax(-1).gather(-1, y[:, None])[:, 0] for x in (h, h_dec)
             )
-            if cp is not None and model.cepe_config.mix_copy_sure:
+            if want_top:
                 top = torch.zeros_like(lp_ctx)
                 top[cp.has] = top_logprob(model.lm_logits(h[cp.has]))
+            if want_read:
+                read = torch.zeros_like(lp_ctx)
+                read[cp.has] = cp[cp.has].expected(model.lm_logits(h[cp.has]).float().log_softmax(-1))
         else:
             with torch.autocast(dev.type, enabled=False):
                 w = HeadWeight().get(model.decoder, dtype)
                 lp_ctx = chunked_target_logprobs(h, w, y)
                 lp_dec = chunked_target_logprobs(h_dec, w, y)
-                if cp is not None and model.cepe_config.mix_copy_sure:
+                if want_top:
                     top = chunked_top_logprob(h, w, where=cp.has)
+                if want_read:
+                    read = chunked_copy_expectation(h, None, None, w, cp)
     m = match[:, :-1][sel]  # (N, F) fp32
     x_mix = m.to(h.dtype).float()  # as mix_logit casts its inputs
     x_copy, p_copy, has = None, torch.zeros_like(lp_ctx), torch.zeros_like(y, dtype=torch.bool)
@@ -229,6 +239,8 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
             own.append(reader_sure_feature(top, cp.has))
         if model.cepe_config.mix_copy_top:
             own.append(cp.top_share())
+        if read is not None:
+            own.append(copy_agreement_feature(read, cp.has))
         xc = torch.cat([m, torch.stack(own, dim=-1).to(m.dtype)], dim=-1) if own else m
         x_copy = xc.to(h.dtype).float()
     rows = sel.nonzero()[:, 0]  # (N,) each token's row
@@ -556,6 +568,12 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     if cfg.copy_decays and not c.mix_copy:
         raise ValueError(
             "copy_decays weigh the copy's votes, and this recipe has no copy (cepe.mix_copy): drop copy_decays"
+        )
+    if cfg.copy_decays and c.mix_copy_read:
+        raise ValueError(
+            "copy_decays reuse the records, but this recipe's copy head reads the reader's probability of the "
+            "copy's tokens (mix_copy_read), which moves with the decay: record each decay (cepe.mix_copy_decay "
+            "in the recipe) instead"
         )
     stats = record(recipe, model, Path(cfg.records) if cfg.records else out / STATS_DIR, steps, cfg.progress)
     recorded_s = time.time() - t0

@@ -151,7 +151,13 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             model.enable_output_copy(
                 *(
                     bool(cfg.cepe.get(k, False))
-                    for k in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure", "mix_copy_top")
+                    for k in (
+                        "mix_copy_prob",
+                        "mix_copy_near",
+                        "mix_copy_sure",
+                        "mix_copy_top",
+                        "mix_copy_read",
+                    )
                 )
             )
             if "mix_copy_decay" in cfg.cepe:  # the copy's votes weighed by how far back they stand

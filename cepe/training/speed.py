@@ -216,7 +216,11 @@ def mixture_token_nll(
     if model.cepe_config.mix_copy_sure:
         with torch.autocast(dev, enabled=False):
             top = chunked_top_logprob(h, w, where=cp.has)
-    c = model.copy_logit(h, h_dec, m, cp, expect, top)
+    read = None
+    if getattr(model.cepe_config, "mix_copy_read", False):
+        with torch.autocast(dev, enabled=False):
+            read = chunked_copy_expectation(h, None, None, w, cp)
+    c = model.copy_logit(h, h_dec, m, cp, expect, top, read)
     return copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
 
 
@@ -249,8 +253,8 @@ def chunked_top_logprob(
 @torch.no_grad()
 def chunked_copy_expectation(
     h_ctx: torch.Tensor,
-    h_dec: torch.Tensor,
-    a: torch.Tensor,
+    h_dec: torch.Tensor | None,
+    a: torch.Tensor | None,
     weight: torch.Tensor,
     copy: CopySpans,
     chunk: int | None = None,
@@ -260,7 +264,9 @@ def chunked_copy_expectation(
 
     Args:
         h_ctx, h_dec: ``(N, D)`` final hidden states with and without the context; a: ``(N,)`` the mixing
-            logit; weight: ``(V, D)`` the output embedding (matmul dtype); copy: ``(N,)`` copy spans.
+            logit (``a`` and ``h_dec`` None: the reader's ``softmax(h_ctx Wᵀ)`` alone, the
+            ``mix_copy_read`` input); weight: ``(V, D)`` the output embedding (matmul dtype); copy: ``(N,)``
+            copy spans.
     """
     rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
     out = torch.zeros(h_ctx.shape[0], dtype=torch.float32, device=h_ctx.device)
@@ -268,11 +274,16 @@ def chunked_copy_expectation(
         part = copy[i : i + rows]
         if not bool(part.has.any()):
             continue
-        lam = a[i : i + rows].detach().float()[:, None]
-        logp = torch.logaddexp(
-            F.logsigmoid(lam) + (h_ctx[i : i + rows].to(weight.dtype) @ weight.T).float().log_softmax(-1),
-            F.logsigmoid(-lam) + (h_dec[i : i + rows].to(weight.dtype) @ weight.T).float().log_softmax(-1),
-        )  # (n, V) the mixture's log-probabilities
+        logp = (
+            (h_ctx[i : i + rows].to(weight.dtype) @ weight.T).float().log_softmax(-1)
+        )  # (n, V) the reader's
+        if a is not None:
+            lam = a[i : i + rows].detach().float()[:, None]
+            logp = torch.logaddexp(
+                F.logsigmoid(lam) + logp,
+                F.logsigmoid(-lam)
+                + (h_dec[i : i + rows].to(weight.dtype) @ weight.T).float().log_softmax(-1),
+            )  # (n, V) the mixture's log-probabilities
         out[i : i + rows] = part.expected(logp)
     return out
 
@@ -407,6 +418,8 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         if getattr(model.cepe_config, "mix_copy_prob", False):  # both sides' logits again (at most)
             fwd_lin += 2 * head
         if getattr(model.cepe_config, "mix_copy_sure", False):  # the reader's logits again (at most)
+            fwd_lin += head
+        if getattr(model.cepe_config, "mix_copy_read", False):  # and once more for its expectation
             fwd_lin += head
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
