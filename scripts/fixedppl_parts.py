@@ -17,7 +17,12 @@ it moved back alone from the longer one (the two agree when the groups do not in
 the groups' shares leave of the step. The sequences and layout are those of a ``fixedppl`` config, as in
 ``scripts/fixedppl_split.py``; bf16 where the CPU runs it fast (as ``--autocast auto``).
 
+``--per-sequence`` adds each sequence's change at each step; ``--tokens N`` the N tokens whose NLL changes
+most at each step, with the copy's weight μ, the copy's and the reader's view of the token and the heads'
+inputs that changed.
+
 Usage: python scripts/fixedppl_parts.py ADAPTER --config configs/eval/fixedppl_val.yaml
+    [--per-sequence] [--tokens 10]
 Writes nothing; pause a training run on the same cores first. Shape legend: N scored tokens, T decoder
 tokens.
 """
@@ -81,11 +86,45 @@ def moved(a: TokenStats, b: TokenStats, group: str, cols: dict[str, list[int]]) 
     return replace(a, x_mix=x_mix, x_copy=x_copy)
 
 
+def show_tokens(per, lengths, seqs, heads: Heads, names: list[str], tok, n: int, top: int) -> None:
+    """Print, for each step, the ``top`` tokens whose NLL changes most (either way)."""
+    for lo, hi in zip(lengths, lengths[1:]):
+        sa, sb = per[lo], per[hi]
+        d = head_nll(sb, heads) - head_nll(sa, heads)  # (N,) sequences one after another
+        up, down = float(d.clamp_min(0).mean()), float(d.clamp_max(0).mean())
+        print(
+            f"\nFrom {lo} to {hi} the tokens that rise add {up:+.4f} nats a token, those that fall {down:+.4f}; "
+            "those that change most (NLL, copy weight μ, p_copy of the token, reader NLL):\n"
+        )
+        for i in d.abs().argsort(descending=True)[:top].tolist():
+            s, j = divmod(i, n)
+            tg = seqs[s][-n:]
+            mus = []
+            for st in (sa, sb):
+                mu = 0.0
+                if heads.w_copy is not None and bool(st.has[i]):
+                    mu = float(torch.sigmoid(st.x_copy[i].double() @ heads.w_copy + heads.b_copy))
+                mus.append(mu)
+            moved_inputs = {
+                x: f"{float(sa.x_copy[i, k]):.2f}->{float(sb.x_copy[i, k]):.2f}"
+                for k, x in enumerate(names)
+                if abs(float(sa.x_copy[i, k] - sb.x_copy[i, k])) > 1e-3
+            }
+            print(
+                f"- sequence {s}, token {j}: {tok.decode(tg[max(0, j - 6) : j])!r} -> {tok.decode([tg[j]])!r}: "
+                f"{float(d[i]):+.3f} (NLL {float(head_nll(sa.select(torch.arange(len(sa)) == i), heads)[0]):.2f} -> "
+                f"{float(head_nll(sb.select(torch.arange(len(sb)) == i), heads)[0]):.2f}), μ {mus[0]:.3f} -> {mus[1]:.3f}, "
+                f"p_copy {float(sa.p_copy[i]):.3f} -> {float(sb.p_copy[i]):.3f}, reader {float(-sa.lp_ctx[i]):.2f} -> "
+                f"{float(-sb.lp_ctx[i]):.2f}; inputs {moved_inputs}"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("adapter")
     p.add_argument("--config", required=True, help="a fixedppl config (sources, contexts, layout)")
     p.add_argument("--per-sequence", action="store_true", help="also each sequence's change at each step")
+    p.add_argument("--tokens", type=int, default=0, help="also the N tokens that change most at each step")
     a = p.parse_args()
     raw = read_config_file(a.config)
     cfg = Config(**{k: v for k, v in raw.items() if k in Config.__dataclass_fields__})
@@ -128,6 +167,8 @@ def main() -> None:
         total = float(fb - fa)
         cells = " | ".join(f"{x:+.4f}" for x in shares)
         print(f"| {lo} | {hi} | {total:+.4f} | {cells} | {total - sum(shares):+.4f} |")
+    if a.tokens:
+        show_tokens(per, lengths, seqs, heads, names["copy_head"] or [], tok, cfg.eval_tokens, a.tokens)
     if a.per_sequence:
         n = cfg.eval_tokens
         print("\nEach sequence's change (nats a token), in order:\n")
