@@ -366,6 +366,43 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
         run_head_fit(HeadFitConfig(recipe=str(reads), copy_decays=[1.0], progress=False))
 
 
+def test_task_weights_reweigh_the_fit(tmp_path):
+    """``task_weights``: a kind of weight 0 is left out of the objective (the heads are those fitted on the
+    other kinds' tokens alone), equal weights are no weights, the held-out scores stay unweighted; unknown
+    kinds and negative weights are refused."""
+    reader = _reader(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader))))
+    out = tmp_path / "fit"
+    base = dict(recipe=str(recipe), output_dir=str(out), held_out_every=3, progress=False)
+    from cepe.modeling import load_adapter_file
+    from cepe.training.config import TASK_KINDS
+
+    def heads_written() -> Heads:
+        return Heads.from_state(load_adapter_file(out / "adapter" / "adapter_model.safetensors"))
+
+    plain = run_head_fit(HeadFitConfig(**base))
+    h_plain = heads_written()
+    same = run_head_fit(HeadFitConfig(**base, task_weights={"lm": 2.0, "copy": 2.0, "recall": 2.0}))
+    assert same["held_out"]["fitted"]["nll"] == pytest.approx(plain["held_out"]["fitted"]["nll"], abs=1e-6)
+    no_copy = run_head_fit(HeadFitConfig(**base, task_weights={"copy": 0.0}))
+    h_no_copy = heads_written()
+    stats = TokenStats.cat(
+        [TokenStats(**x) for s in range(3) for x in torch.load(out / "stats" / f"step_{s:06d}.pt")]
+    )
+    rest = stats.select((stats.example % 3 != 0) & (stats.task != TASK_KINDS.index("copy")))
+    copies = stats.select((stats.example % 3 != 0) & (stats.task == TASK_KINDS.index("copy")))
+    assert len(rest) and len(copies)
+    # the fit without the copy examples is better on the rest and worse on the copy examples
+    assert head_nll(rest, h_no_copy).mean() < head_nll(rest, h_plain).mean()
+    assert head_nll(copies, h_no_copy).mean() > head_nll(copies, h_plain).mean()
+    assert no_copy["objective"]["fitted"] == pytest.approx(float(head_nll(rest, h_no_copy).mean()), abs=1e-5)
+    with pytest.raises(ValueError, match=r"task_weights: \['prose'\] are no example kinds"):
+        run_head_fit(HeadFitConfig(**base, task_weights={"prose": 1.0}))
+    with pytest.raises(ValueError, match="task_weights are numbers ≥ 0"):
+        HeadFitConfig(recipe="x.yaml", task_weights={"lm": -1.0})
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="copy_decays are finite numbers"):
         HeadFitConfig(recipe="x.yaml", copy_decays=[1.0, -2.0])

@@ -35,6 +35,9 @@ class HeadFitConfig:
             (``mix_copy_decay``) on the same records, the copy's probabilities recomputed from the examples
             (the reader is not run again), each scored on the held-out tokens as ``decay D``: a sweep of the
             decay for the cost of one recording. The adapter written keeps the recipe's decay.
+        task_weights: each example kind's weight in the fit's objective (``lm``, ``copy``, ``recall``,
+            ``qa``, ``icl``; 1 for a kind not named): the recipe's mix of kinds decides how far the heads
+            trust a match, and reweighing it needs no new recording. The held-out scores stay unweighted.
         progress: show a progress bar while recording.
     """
 
@@ -48,6 +51,7 @@ class HeadFitConfig:
     records: str | None = None
     compare: list[str] = field(default_factory=list)
     copy_decays: list[float] = field(default_factory=list)
+    task_weights: dict[str, float] = field(default_factory=dict)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -61,6 +65,9 @@ class HeadFitConfig:
             raise ValueError(f"l2 must be at least 0, got {self.l2}")
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be at least 1, got {self.max_iter}")
+        negative = {k: v for k, v in self.task_weights.items() if not float(v) >= 0}
+        if negative:
+            raise ValueError(f"task_weights are numbers ≥ 0, got {negative}")
         bad = [d for d in self.copy_decays if not (float(d) >= 0 and float(d) != float("inf"))]
         if bad:
             raise ValueError(f"copy_decays are finite numbers ≥ 0 (0: every vote the same), got {bad}")

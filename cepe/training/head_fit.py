@@ -379,8 +379,10 @@ def fit(
     max_iter: int,
     l2: float = 0.0,
     fixed: list[torch.Tensor] | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[Heads, list[float]]:
-    """The heads that minimise the mean of :func:`head_nll` over ``stats`` plus ``l2 / 2`` times the sum of
+    """The heads that minimise the mean of :func:`head_nll` over ``stats`` (weighted by ``weight`` ``(N,)``
+    where given) plus ``l2 / 2`` times the sum of
     their squared weights in standardised units (biases free), by full-batch L-BFGS (strong Wolfe line
     search, fp64) from ``start``, on standardised inputs (folded back: the returned heads take the raw
     inputs). ``fixed``: per head (mixing, copy) a bool mask ``(F,)`` of the weights kept at ``start``'s.
@@ -430,10 +432,16 @@ def fit(
         line_search_fn="strong_wolfe",
     )
 
+    w = None if weight is None else weight.double() / weight.double().sum()
+
+    def mean_nll(heads: Heads) -> torch.Tensor:
+        nll = head_nll(stats, heads)
+        return nll.mean() if w is None else (nll * w).sum()
+
     def closure() -> torch.Tensor:
         opt.zero_grad()
         theta = full(free)
-        nll = head_nll(stats, unpack(theta)).mean()
+        nll = mean_nll(unpack(theta))
         loss = nll + 0.5 * l2 * theta[is_weight & ~held].square().sum()
         loss.backward()
         history.append(float(nll.detach()))
@@ -442,7 +450,7 @@ def fit(
     opt.step(closure)
     with torch.no_grad():
         out = unpack(full(free.detach()))
-        history.append(float(head_nll(stats, out).mean()))
+        history.append(float(mean_nll(out)))
     return out, history
 
 
@@ -591,7 +599,25 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
         else torch.tensor([n in cfg.fixed or f"{h}:{n}" in cfg.fixed for n in names[h]])
         for h in HEADS
     ]
-    fitted, history = fit(train, start, cfg.max_iter, cfg.l2, masks)
+    weights = None
+    if cfg.task_weights:
+        unknown_kinds = sorted(set(cfg.task_weights) - set(TASK_KINDS))
+        if unknown_kinds:
+            raise ValueError(
+                f"task_weights: {unknown_kinds} are no example kinds; they are {list(TASK_KINDS)}"
+            )
+        per_kind = torch.tensor(
+            [float(cfg.task_weights.get(k, 1.0)) for k in TASK_KINDS], dtype=torch.float64
+        )
+
+        def weights(s: TokenStats) -> torch.Tensor:
+            return per_kind[s.task]
+
+        if not bool(weights(train).gt(0).any()):
+            raise ValueError(f"task_weights {cfg.task_weights} leave no fitted token a positive weight")
+    fitted, history = fit(
+        train, start, cfg.max_iter, cfg.l2, masks, None if weights is None else weights(train)
+    )
     fit_s = time.time() - t1
     col = names["mix_head"].index("n") if "n" in names["mix_head"] else None
     swept = {}  # the same fit with the copy's votes weighed otherwise: held-out scores
@@ -610,7 +636,8 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             other.x_copy = stats.x_copy.clone()
             dtype = torch.bfloat16 if resolve_bf16(recipe.bf16, "cpu") else torch.float32
             other.x_copy[:, t_col] = top.to(dtype).float()
-        heads_d, _ = fit(other.select(~held), start, cfg.max_iter, cfg.l2, masks)
+        part = other.select(~held)
+        heads_d, _ = fit(part, start, cfg.max_iter, cfg.l2, masks, None if weights is None else weights(part))
         swept[f"decay {float(decay):g}"] = _scores(other.select(held), heads_d, col)
     fitted.copy_into(model)
     model.eval()
