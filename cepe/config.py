@@ -363,16 +363,12 @@ class CepeConfig:
             "mix_copy copies after the suffixes that mix_match finds: set mix_match > 0 (and output_mix) "
             "too, or mix_copy: false",
         )
-        check(
-            not self.mix_copy_prob or self.mix_copy,
-            "mix_copy_prob is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
-            "or mix_copy_prob: false",
-        )
-        check(
-            not self.mix_copy_near or self.mix_copy,
-            "mix_copy_near is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
-            "or mix_copy_near: false",
-        )
+        for name in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure", "mix_copy_top", "mix_copy_read"):
+            check(
+                not getattr(self, name) or self.mix_copy,
+                f"{name} is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
+                f"or {name}: false",
+            )
         check(
             self.mix_length_cap is None or (self.mix_length and self.mix_length_cap > 0),
             f"mix_length_cap caps the heads' length input: give a positive number of tokens with "
@@ -387,21 +383,6 @@ class CepeConfig:
             self.mix_copy_decay == 0 or self.mix_copy,
             "mix_copy_decay weighs the copy's votes: set mix_copy (and mix_match, output_mix) too, or "
             "mix_copy_decay: 0",
-        )
-        check(
-            not self.mix_copy_read or self.mix_copy,
-            "mix_copy_read is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
-            "or mix_copy_read: false",
-        )
-        check(
-            not self.mix_copy_top or self.mix_copy,
-            "mix_copy_top is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
-            "or mix_copy_top: false",
-        )
-        check(
-            not self.mix_copy_sure or self.mix_copy,
-            "mix_copy_sure is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "
-            "or mix_copy_sure: false",
         )
         check(
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,

@@ -806,15 +806,7 @@ class CepeForCausalLM(nn.Module):
             mixed, lc = self._mixture_logits(hc, hd, m)  # (N, V) each
             nll = F.cross_entropy(mixed, y, reduction="none")  # (N,)
             if cp is not None:  # the copy's probability of each target, no (N, V) copy distributions
-                c = self.copy_logit(
-                    hc,
-                    hd,
-                    m,
-                    cp,
-                    self._copy_expectation(mixed, cp),
-                    self._reader_top(lc),
-                    self._reader_expectation(lc, cp),
-                )
+                c = self._copy_logit_of(hc, hd, m, cp, mixed, lc)
                 nll = copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
             loss = nll.sum() / sel.sum().clamp_min(1)
         logits = None
@@ -847,16 +839,29 @@ class CepeForCausalLM(nn.Module):
             )
         if copy is None:
             return logits
-        c = self.copy_logit(
+        c = self._copy_logit_of(h_ctx, h_dec, match, copy, logits, lc)
+        return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
+
+    def _copy_logit_of(
+        self,
+        h_ctx: torch.Tensor,
+        h_dec: torch.Tensor,
+        match: torch.Tensor | None,
+        copy: CopySpans,
+        mixed: torch.Tensor,
+        lc: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`copy_logit` with the copy head's own inputs computed from the mixture's logits ``mixed``
+        and the reader's ``lc`` ``(..., V)``."""
+        return self.copy_logit(
             h_ctx,
             h_dec,
             match,
             copy,
-            self._copy_expectation(logits, copy),
+            self._copy_expectation(mixed, copy),
             self._reader_top(lc),
             self._reader_expectation(lc, copy),
         )
-        return copy_mix_logits(logits, c, copy.probs(logits.shape[-1]), copy.has)
 
     def _copy_expectation(self, logits: torch.Tensor, copy: CopySpans) -> torch.Tensor | None:
         """``Σ_y p_copy(y)·p_mixture(y)`` ``(...)`` from the mixture's logits ``(..., V)`` without the copy
