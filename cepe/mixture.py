@@ -58,8 +58,8 @@ def head_inputs(
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
     names += [f"a{k}" for k in range(1, match + 1)] if agree else []
-    own = (["p"] if prob else []) + (["r"] if near else []) + (["u"] if sure else []) + (["t"] if top else [])
-    return names + own + (["q"] if read else [])
+    own = zip("prutq", (prob, near, sure, top, read))
+    return names + [name for name, wanted in own if wanted]
 
 
 def mix_head(inputs: list[str], like: torch.Tensor) -> nn.Linear:
@@ -435,62 +435,60 @@ class CopySpans:
         near = self.back[self.lo.clamp_max(self.back.numel() - 1)]
         return torch.where(self.has, near, torch.zeros_like(near))
 
-    def _votes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each vote's position (flat index into ``lo.reshape(-1)``), token and share of its position's
-        votes: ``(E,)``, ``(E,)``, ``(E,)`` fp32 (shares sum to 1 over a position's votes)."""
+    def _votes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each vote's position (flat index into ``lo.reshape(-1)``), token and weight ``(E,)`` each (the
+        weight fp32, 1 without :attr:`weight`), and each position's total weight ``(P,)`` fp32 (its number
+        of votes without :attr:`weight`; at least 1): a vote's share is its weight over its position's
+        total, summed before the one division, so an unweighted copy counts exactly."""
         lo, n = self.lo.reshape(-1), (self.hi - self.lo).reshape(-1)
         row = torch.repeat_interleave(torch.arange(lo.numel(), device=lo.device), n)  # (E,)
         first = torch.cumsum(n, 0) - n  # (P,) each position's first vote in the flat list
         entry = lo[row] + torch.arange(row.numel(), device=lo.device) - first[row]  # (E,) index into succ
         if self.weight is None:
-            share = 1.0 / n.clamp_min(1).float()[row]
-        else:
-            w = self.weight.to(lo.device)[entry]
-            total = torch.zeros(lo.numel(), dtype=torch.float32, device=lo.device).index_add_(0, row, w)
-            share = w / total[row]  # every vote weighs > 0, so a position with votes has a positive total
-        return row, self.succ[entry], share
+            return row, self.succ[entry], torch.ones(row.shape, device=lo.device), n.clamp_min(1).float()
+        w = self.weight.to(lo.device)[entry]
+        total = torch.zeros(lo.numel(), dtype=torch.float32, device=lo.device).index_add_(0, row, w)
+        return row, self.succ[entry], w, torch.where(n > 0, total, torch.ones_like(total))
 
     def target_probs(self, y: torch.Tensor) -> torch.Tensor:
         """``p_copy(y)`` ``(...)`` in fp32 for one token per position (0 where no suffix occurs)."""
-        row, tok, share = self._votes()
+        row, tok, w, total = self._votes()
         out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=y.device)
-        out.index_add_(0, row, share * (tok == y.reshape(-1)[row]).float())
-        return out.reshape(self.lo.shape)
+        out.index_add_(0, row, w * (tok == y.reshape(-1)[row]).float())
+        return (out / total).reshape(self.lo.shape)
 
     def expected(self, logp: torch.Tensor) -> torch.Tensor:
         """``Σ_y p_copy(y)·p(y)`` ``(...)`` in fp32 for log-probabilities ``logp`` ``(..., V)`` of another
         distribution over the same positions (each vote's probability under it, weighed by its share of the
         votes; 0 where no suffix occurs)."""
-        row, tok, share = self._votes()
+        row, tok, w, total = self._votes()
         flat = logp.reshape(-1, logp.shape[-1])
         out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=logp.device)
-        out.index_add_(0, row, share * flat[row, tok].float().exp())
-        return out.reshape(self.lo.shape)
+        out.index_add_(0, row, w * flat[row, tok].float().exp())
+        return (out / total).reshape(self.lo.shape)
 
     def top_share(self) -> torch.Tensor:
         """``max_y p_copy(y)`` ``(...)`` in fp32: the largest share one token has of each position's votes
         (``CepeConfig.mix_copy_top``; 0 where no suffix occurs). Unlike the agreement ``1 / d`` it stays
         near 1 when a few stray successors join one that dominates. A position's votes are its suffix's
         successors in token order (:class:`Successors`), so each token's votes are one run."""
-        row, tok, share = self._votes()
+        row, tok, w, total = self._votes()
         out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=self.lo.device)
         if row.numel() == 0:
             return out.reshape(self.lo.shape)
         new = torch.ones_like(row, dtype=torch.bool)
         new[1:] = (row[1:] != row[:-1]) | (tok[1:] != tok[:-1])
         run = new.cumsum(0) - 1  # (E,) each vote's run of one token at one position
-        total = torch.zeros(int(run[-1]) + 1, dtype=torch.float32, device=row.device).index_add_(
-            0, run, share
-        )
-        out.scatter_reduce_(0, row[new], total, reduce="amax")
-        return out.reshape(self.lo.shape)
+        per_run = torch.zeros(int(run[-1]) + 1, dtype=torch.float32, device=row.device).index_add_(0, run, w)
+        out.scatter_reduce_(0, row[new], per_run, reduce="amax")
+        return (out / total).reshape(self.lo.shape)
 
     def probs(self, vocab: int) -> torch.Tensor:
         """The copy distributions ``(..., V)`` in fp32 (all zero where no suffix occurs)."""
-        row, tok, share = self._votes()
+        row, tok, w, total = self._votes()
         out = torch.zeros(self.lo.numel(), vocab, dtype=torch.float32, device=self.succ.device)
-        out.index_put_((row, tok), share, accumulate=True)
-        return out.reshape(*self.lo.shape, vocab)
+        out.index_put_((row, tok), w, accumulate=True)
+        return (out / total[:, None]).reshape(*self.lo.shape, vocab)
 
 
 def copy_spans(
