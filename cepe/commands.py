@@ -112,6 +112,7 @@ def describe_model(cfg: InfoConfig) -> dict[str, Any]:
             "copy_reader_sure_input": c.mix_copy_sure,
             "copy_top_share_input": c.mix_copy_top,
             "copy_reader_agreement_input": c.mix_copy_read,
+            "copy_count_input": c.mix_copy_count,
             "copy_vote_decay": c.mix_copy_decay,
             "decoder_passes_per_call": 2,
         }

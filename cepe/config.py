@@ -239,6 +239,10 @@ class CepeConfig:
             μ can tell a match whose successor the reader finds unlikely (a name met once, followed there
             by another word) from one it expects. Unlike ``mix_copy_prob`` it moves with the reader alone,
             so ``cepe fit-heads`` can record it. Its weight starts at zero, as ``mix_copy_prob``'s.
+        mix_copy_count: with ``mix_copy``, one more input to the copy head alone: how many times the
+            matched suffix occurs in the context, ``log(1 + n) / 4`` (``cepe.mixture.CopySpans.count_feature``),
+            so that μ can tell a successor seen after many occurrences from one seen once (both agree
+            fully). Its weight starts at zero, as ``mix_copy_prob``'s.
         mix_copy_decay: with ``mix_copy``, the copy's votes weighed by how far before the context's end
             each stands: ``(1 + d / 64) ** -decay`` (``cepe.mixture.vote_weights``; 0: each occurrence one
             vote), so that a longer context adds far-back votes without drowning the successor just read.
@@ -284,6 +288,7 @@ class CepeConfig:
     mix_copy_sure: bool = False
     mix_copy_top: bool = False
     mix_copy_read: bool = False
+    mix_copy_count: bool = False
     mix_copy_decay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -363,7 +368,15 @@ class CepeConfig:
             "mix_copy copies after the suffixes that mix_match finds: set mix_match > 0 (and output_mix) "
             "too, or mix_copy: false",
         )
-        for name in ("mix_copy_prob", "mix_copy_near", "mix_copy_sure", "mix_copy_top", "mix_copy_read"):
+        own = (
+            "mix_copy_prob",
+            "mix_copy_near",
+            "mix_copy_sure",
+            "mix_copy_top",
+            "mix_copy_read",
+            "mix_copy_count",
+        )
+        for name in own:
             check(
                 not getattr(self, name) or self.mix_copy,
                 f"{name} is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "

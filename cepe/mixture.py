@@ -45,6 +45,7 @@ def head_inputs(
     sure: bool = False,
     top: bool = False,
     read: bool = False,
+    count: bool = False,
 ) -> list[str]:
     """Names of the mixing head's inputs in order: ``h0..`` the 2·D hidden states (with ``hidden``),
     ``m1..mK`` the suffix-match indicators, ``n`` the context's length (``length``), ``a1..aK`` the
@@ -53,12 +54,13 @@ def head_inputs(
     occurs (``near``: :func:`copy_recency_feature`) and ``u`` how sure the reader is of its next token
     (``sure``: :func:`reader_sure_feature`) and ``t`` the largest share one token has of the copy's votes
     (``top``: :meth:`CopySpans.top_share`) and ``q`` how probable the reader finds what the copy proposes
-    (``read``: :func:`copy_agreement_feature` of the reader's expectation)."""
+    (``read``: :func:`copy_agreement_feature` of the reader's expectation) and ``c`` how many times the
+    matched suffix occurs (``count``: :meth:`CopySpans.count_feature`)."""
     names = [f"h{i}" for i in range(2 * hidden_size)] if hidden else []
     names += [f"m{k}" for k in range(1, match + 1)]
     names += ["n"] if length else []
     names += [f"a{k}" for k in range(1, match + 1)] if agree else []
-    own = zip("prutq", (prob, near, sure, top, read))
+    own = zip("prutqc", (prob, near, sure, top, read, count))
     return names + [name for name, wanted in own if wanted]
 
 
@@ -466,6 +468,12 @@ class CopySpans:
         out = torch.zeros(self.lo.numel(), dtype=torch.float32, device=logp.device)
         out.index_add_(0, row, w * flat[row, tok].float().exp())
         return (out / total).reshape(self.lo.shape)
+
+    def count_feature(self) -> torch.Tensor:
+        """``log(1 + n) / 4`` ``(...)`` in fp32 for ``n`` the votes (occurrences of the matched suffix) of
+        each position (``CepeConfig.mix_copy_count``; 0 where no suffix occurs): a successor seen after ten
+        occurrences is surer than one seen after one, though both agree fully."""
+        return torch.log1p((self.hi - self.lo).float()) / 4
 
     def top_share(self) -> torch.Tensor:
         """``max_y p_copy(y)`` ``(...)`` in fp32: the largest share one token has of each position's votes

@@ -123,11 +123,18 @@ class CepeForCausalLM(nn.Module):
             head.bias.fill_(COPY_BIAS)
         return head
 
-    def _copy_own(self) -> tuple[bool, bool, bool, bool, bool]:
+    def _copy_own(self) -> tuple[bool, bool, bool, bool, bool, bool]:
         """Which inputs of its own the copy head takes: ``(mix_copy_prob, mix_copy_near, mix_copy_sure,
-        mix_copy_top, mix_copy_read)``."""
+        mix_copy_top, mix_copy_read, mix_copy_count)``."""
         c = self.cepe_config
-        return c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top, c.mix_copy_read
+        return (
+            c.mix_copy_prob,
+            c.mix_copy_near,
+            c.mix_copy_sure,
+            c.mix_copy_top,
+            c.mix_copy_read,
+            c.mix_copy_count,
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -419,6 +426,7 @@ class CepeForCausalLM(nn.Module):
         sure: bool = False,
         top: bool = False,
         read: bool = False,
+        count: bool = False,
     ) -> None:
         """Give an adapter with the output mixture and its suffix-match inputs the copy
         (``CepeConfig.mix_copy``) and its head (zero weights over the mixing head's inputs, bias −4: μ ≈
@@ -427,7 +435,8 @@ class CepeForCausalLM(nn.Module):
         ``near`` its input of how far back the copied suffix last occurs (``mix_copy_near``) and ``sure``
         its input of how sure the reader is of its next token (``mix_copy_sure``) and ``top`` its input of
         the largest share one token has of the copy's votes (``mix_copy_top``) and ``read`` its input of
-        how probable the reader finds what the copy proposes (``mix_copy_read``); a copy head
+        how probable the reader finds what the copy proposes (``mix_copy_read``) and ``count`` its input of
+        how many times the matched suffix occurs (``mix_copy_count``); a copy head
         trained without those inputs gets them with zero weights (its function unchanged). Idempotent (it
         never removes an input); raises ``ValueError`` without ``output_mix`` and ``mix_match``."""
         c = self.cepe_config
@@ -437,15 +446,17 @@ class CepeForCausalLM(nn.Module):
             )
         if self.copy_head is None:
             c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top = prob, near, sure, top
-            c.mix_copy_read = read
+            c.mix_copy_read, c.mix_copy_count = read, count
             self.copy_head = self._new_copy_head()
-        elif any(want and not has for want, has in zip((prob, near, sure, top, read), self._copy_own())):
+        elif any(
+            want and not has for want, has in zip((prob, near, sure, top, read, count), self._copy_own())
+        ):
             d = int(self.decoder.config.hidden_size)
             args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
             old = head_inputs(*args, *self._copy_own())
             c.mix_copy_prob, c.mix_copy_near = c.mix_copy_prob or prob, c.mix_copy_near or near
             c.mix_copy_sure, c.mix_copy_top = c.mix_copy_sure or sure, c.mix_copy_top or top
-            c.mix_copy_read = c.mix_copy_read or read
+            c.mix_copy_read, c.mix_copy_count = c.mix_copy_read or read, c.mix_copy_count or count
             self.copy_head = widen_head(self.copy_head, old, head_inputs(*args, *self._copy_own()))
         c.mix_copy = True
 
@@ -468,6 +479,7 @@ class CepeForCausalLM(nn.Module):
             "mix_copy_sure",
             "mix_copy_top",
             "mix_copy_read",
+            "mix_copy_count",
             "mix_copy_decay",
         )
         for name in names:
@@ -914,7 +926,8 @@ class CepeForCausalLM(nn.Module):
         ``(...)`` (:func:`cepe.mixture.copy_recency_feature`), with ``mix_copy_sure`` from ``top`` ``(...)``,
         the reader's log-probability of its most probable token (:func:`cepe.mixture.reader_sure_feature`),
         with ``mix_copy_top`` from the copy spans (:meth:`cepe.mixture.CopySpans.top_share`), with
-        ``mix_copy_read`` from ``read`` ``(...)``, the reader's probability of a draw from the copy; each
+        ``mix_copy_read`` from ``read`` ``(...)``, the reader's probability of a draw from the copy, with
+        ``mix_copy_count`` from the copy spans (:meth:`cepe.mixture.CopySpans.count_feature`); each
         required exactly when the head takes it."""
         c = self.cepe_config
         if self.copy_head is None:
@@ -943,6 +956,8 @@ class CepeForCausalLM(nn.Module):
                 own.append(copy.top_share())
             if c.mix_copy_read:
                 own.append(copy_agreement_feature(read, copy.has))
+            if c.mix_copy_count:
+                own.append(copy.count_feature())
             match = torch.cat([match, torch.stack(own, dim=-1).to(match.dtype)], dim=-1)
         return mix_logit(self.copy_head, h_ctx, h_dec, match, c.mix_hidden)
 

@@ -106,6 +106,7 @@ def test_cepe_info_describes_the_model(adapter, capsys):
         "copy_reader_sure_input": False,
         "copy_top_share_input": False,
         "copy_reader_agreement_input": False,
+        "copy_count_input": False,
         "copy_vote_decay": 0.0,
         "decoder_passes_per_call": 2,
     }

@@ -6,6 +6,7 @@ cannot fit."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ HEADS_ONLY = {
     "mix_copy_sure": True,
     "mix_copy_top": True,
     "mix_copy_read": True,
+    "mix_copy_count": True,
 }
 
 
@@ -97,11 +99,13 @@ def test_recorded_stats_give_the_training_loss(tmp_path, cap):
     assert stats is not None and set(stats.task.tolist()) == {0, 1, 2}
     assert bool(stats.has.any()) and not bool(stats.has.all())
     assert not torch.equal(stats.lp_ctx, stats.lp_dec)  # the reader reads
-    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 4  # recency, certainty, top share, agreement
-    assert (stats.x_copy[stats.has, -3] < 0).all() and (stats.x_copy[~stats.has, -3] == 0).all()
-    q = stats.x_copy[:, -1]  # the reader's probability of the copy's tokens, log / 8
+    assert stats.x_copy.shape[1] == stats.x_mix.shape[1] + 5  # recency, certainty, top, agreement, count
+    assert (stats.x_copy[stats.has, -4] < 0).all() and (stats.x_copy[~stats.has, -4] == 0).all()
+    q = stats.x_copy[:, -2]  # the reader's probability of the copy's tokens, log / 8
     assert (q[stats.has] <= 0).all() and (q[stats.has] < -0.05).any() and (q[~stats.has] == 0).all()
-    top = stats.x_copy[:, -2]
+    c = stats.x_copy[:, -1]  # log(1 + occurrences) / 4
+    assert (c[stats.has] >= math.log(2) / 4 - 1e-6).all() and (c[~stats.has] == 0).all()
+    top = stats.x_copy[:, -3]
     assert (top[stats.has] > 0).all() and (top[stats.has] <= 1).all() and (top[~stats.has] == 0).all()
     module = StageModule(model, cfg)
     trained = {k: v for k, v in batch.items() if k != "index"}
@@ -261,7 +265,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         )
         assert over.cepe_config.mix_length_cap == cap
     m.enable_output_copy(near=True)
-    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 9
+    assert m.copy_head.weight.shape[1] == len(head_names(m.cepe_config, 64)["copy_head"]) == 10
     m.save_pretrained(wide)
     both = run_head_fit(
         HeadFitConfig(
@@ -281,9 +285,10 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
         "mix_copy_sure": False,
         "mix_copy_top": False,
         "mix_copy_read": False,
+        "mix_copy_count": False,
     }
     build_model(load_config(_recipe(tmp_path, cepe=cfg_none, train_only=["mix_head"]))).save_pretrained(none)
-    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 9 inputs"):
+    with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 10 inputs"):
         run_head_fit(
             HeadFitConfig(
                 recipe=str(other), output_dir=str(tmp_path / "f3"), compare=[str(none)], progress=False
@@ -314,7 +319,7 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
     import cepe.training.head_fit as hf
     from cepe.training.models import build_model
 
-    own = {**HEADS_ONLY, "mix_copy_read": False}
+    own = {**HEADS_ONLY, "mix_copy_read": False, "mix_copy_count": False}
     reader = _reader(tmp_path, cepe=own)
     recipe, decayed = tmp_path / "recipe.yaml", tmp_path / "decayed.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(reader), cepe=own)))
@@ -353,6 +358,7 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
             "mix_copy_sure": False,
             "mix_copy_top": False,
             "mix_copy_read": False,
+            "mix_copy_count": False,
         },
         train_only=["mix_head"],
     )

@@ -137,13 +137,14 @@ def _copying(
     decay: float = 0.0,
     top: bool = False,
     read: bool = False,
+    count: bool = False,
 ) -> CepeForCausalLM:
     """:func:`_matched` (3 suffix orders) with the copy, its head given random weights (``prob``,
-    ``near``, ``sure``, ``top``, ``read``: with the copy head's own inputs; ``decay``: its votes weighed by
+    ``near``, ``sure``, ``top``, ``read``, ``count``: with the copy head's own inputs; ``decay``: its votes weighed by
     recency)."""
     model = _matched(hidden)
     model.enable_output_mix(3, hidden, length=length, agree=agree)
-    model.enable_output_copy(prob, near, sure, top, read)
+    model.enable_output_copy(prob, near, sure, top, read, count)
     model.set_mix_copy_decay(decay)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -166,16 +167,19 @@ def _copying(
         (False, True, True, True, True, 1.0, True),
     ],
 )
-@pytest.mark.parametrize("read", [False, True])
-def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top, read):
+@pytest.mark.parametrize("read,count", [(False, False), (True, False), (False, True)])
+def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top, read, count):
     """Logits = the reference mixture, then the reference copy of each example's real context tokens
     mixed in with μ from the copy head over the mixing head's inputs (with ``mix_copy_prob`` the
     mixture's probability of a draw from the copy, floored log / 8; with ``mix_copy_near`` log(1 + d / 64)
     / 4 of the matched suffix's most recent distance, by the scanning reference; with ``mix_copy_sure``
     the reader's largest log-probability, floored / 8; with ``mix_copy_decay`` the votes weighed by the
     reference; with ``mix_copy_top`` the reference copy's largest probability; with ``mix_copy_read`` the
-    reader's probability of a draw from the copy, floored log / 8); the loss is their cross-entropy."""
-    model = _copying(hidden, agree=agree, prob=prob, near=near, sure=sure, decay=decay, top=top, read=read)
+    reader's probability of a draw from the copy, floored log / 8; with ``mix_copy_count`` log(1 + the
+    matched suffix's occurrences) / 4, by scanning); the loss is their cross-entropy."""
+    model = _copying(
+        hidden, agree=agree, prob=prob, near=near, sure=sure, decay=decay, top=top, read=read, count=count
+    )
     ids, enc_ids, enc_mask = _padded_case()
     ids[:, 4] = 9  # a token the context lacks: no suffix occurs there
     out, h_ctx, h_dec, lc, ld, match = _both_sides(model, ids, enc_ids, enc_mask)
@@ -218,6 +222,12 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top
         q = torch.where(has, s.log().clamp_min(-16.0) / 8, torch.zeros_like(s))
         assert (q[has] < -0.05).any()  # the input is not trivially zero
         x = torch.cat([x, q[..., None].to(x.dtype)], dim=-1)
+    if count:
+        n = torch.tensor(
+            [_occurrences_ref(ids[b].tolist(), enc_ids[b][enc_mask[b]].tolist(), 3) for b in range(2)]
+        ).float()
+        assert (n[has] > 1).any() and not n[~has].any()
+        x = torch.cat([x, (torch.log1p(n) / 4)[..., None].to(x.dtype)], dim=-1)
     c = mix_logit(model.copy_head, h_ctx, h_dec, x, hidden)
     want = copy_mix_logits_ref(mixed, c, copy, has)
     torch.testing.assert_close(out.log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
@@ -229,6 +239,20 @@ def test_the_model_mixes_in_the_copy(hidden, agree, prob, near, sure, decay, top
         off = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
     torch.testing.assert_close(off.log_softmax(-1).double(), mixed, rtol=1e-4, atol=1e-4)
     assert (off - out).abs().max() > 1e-2  # the copy moved the distribution
+
+
+def _occurrences_ref(ids: list[int], ctx: list[int], order: int) -> list[int]:
+    """How many times the longest matched suffix (at most ``order`` tokens) of each position occurs in
+    ``ctx`` followed by a token, by scanning (0 where none matches)."""
+    out = []
+    for j in range(len(ids)):
+        n = 0
+        for k in range(min(order, j + 1), 0, -1):
+            n = sum(ctx[i : i + k] == ids[j - k + 1 : j + 1] for i in range(len(ctx) - k))
+            if n:
+                break
+        out.append(n)
+    return out
 
 
 def _nearest_ref(ids: list[int], ctx: list[int], order: int) -> list[int]:
@@ -278,12 +302,14 @@ def test_the_nearest_occurrence_agrees_with_a_scan():
         (True, True, True, 1.0, True),
     ],
 )
-@pytest.mark.parametrize("read", [False, True])
-def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure, decay, top, read):
+@pytest.mark.parametrize("read,count", [(False, False), (True, True)])
+def test_the_training_loss_agrees_with_the_reference_path(prob, near, sure, decay, top, read, count):
     """The fast loss (each side's log-probability of the target, the copy's probability of it, with
     ``mix_copy_prob`` the copy's expectation under the mixture in chunks of rows; votes weighed with
     ``decay``) equals the cross-entropy of the mixed logits, and so do their gradients on both heads."""
-    model = _copying(agree=True, prob=prob, near=near, sure=sure, decay=decay, top=top, read=read)
+    model = _copying(
+        agree=True, prob=prob, near=near, sure=sure, decay=decay, top=top, read=read, count=count
+    )
     ids, enc_ids, enc_mask = _padded_case()
     labels = ids.clone()
     labels[0, :2] = -100
@@ -425,7 +451,7 @@ def test_invariants_no_context_and_no_match_are_the_mixture():
 def test_incremental_calls_continue_the_copy(mode):
     check_incremental_calls(_copying(agree=True), mode, _few_tokens((2, 10), 2), _few_tokens((2, 3, 8), 3))
     check_incremental_calls(
-        _copying(agree=True, prob=True, near=True, sure=True, decay=1.0, top=True, read=True),
+        _copying(agree=True, prob=True, near=True, sure=True, decay=1.0, top=True, read=True, count=True),
         mode,
         _few_tokens((2, 10), 2),
         _few_tokens((2, 3, 8), 3),
@@ -434,7 +460,7 @@ def test_incremental_calls_continue_the_copy(mode):
 
 def test_beam_search_with_the_copy():
     check_beam_scores(_copying(hidden=True))
-    check_beam_scores(_copying(prob=True, near=True, sure=True, decay=0.5, top=True, read=True))
+    check_beam_scores(_copying(prob=True, near=True, sure=True, decay=0.5, top=True, read=True, count=True))
 
 
 def test_vote_decay_saves_loads_and_refuses_bad_values(tmp_path):

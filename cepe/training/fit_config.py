@@ -23,10 +23,10 @@ class HeadFitConfig:
             length nearly the same in every example) from trading a huge weight against the bias.
         fixed: inputs (by name: ``m1`` … ``mK`` matches, ``n`` the context's length, ``a1`` … ``aK``
             agreements, ``r`` recency, ``u`` the reader's certainty, ``t`` the copy's top share, ``q`` the
-            reader's probability of the copy's tokens) whose weights stay at the start's (zero for new
-            heads), in both heads, or in one as ``copy_head:n`` / ``mix_head:n``: an input that tells the
-            recipe's example kinds apart (the length, where one kind always has the longest context)
-            without telling where to copy.
+            reader's probability of the copy's tokens, ``c`` how often the matched suffix occurs) whose
+            weights stay at the start's (zero for new heads), in both heads, or in one as ``copy_head:n`` /
+            ``mix_head:n``: an input that tells the recipe's example kinds apart (the length, where one kind
+            always has the longest context) without telling where to copy.
         records: the folder of the recorded statistics (default: ``output_dir/stats``): fits with other
             settings can share one recording; records of another recipe are refused.
         compare: other adapters (directories) whose heads' inputs are among the recipe's (one they lack

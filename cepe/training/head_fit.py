@@ -141,7 +141,13 @@ def head_names(c: Any, hidden_size: int) -> dict[str, list[str] | None]:
     return {
         "mix_head": head_inputs(*shared) if c.output_mix else None,
         "copy_head": head_inputs(
-            *shared, c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top, c.mix_copy_read
+            *shared,
+            c.mix_copy_prob,
+            c.mix_copy_near,
+            c.mix_copy_sure,
+            c.mix_copy_top,
+            c.mix_copy_read,
+            c.mix_copy_count,
         )
         if c.mix_copy
         else None,
@@ -241,6 +247,8 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
             own.append(cp.top_share())
         if read is not None:
             own.append(copy_agreement_feature(read, cp.has))
+        if model.cepe_config.mix_copy_count:
+            own.append(cp.count_feature())
         xc = torch.cat([m, torch.stack(own, dim=-1).to(m.dtype)], dim=-1) if own else m
         x_copy = xc.to(h.dtype).float()
     rows = sel.nonzero()[:, 0]  # (N,) each token's row
