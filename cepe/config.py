@@ -9,6 +9,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# The copy head's own inputs (CepeConfig fields), in the order the head reads them (cepe.mixture.head_inputs).
+COPY_HEAD_INPUTS = (
+    "mix_copy_prob",
+    "mix_copy_near",
+    "mix_copy_sure",
+    "mix_copy_top",
+    "mix_copy_read",
+    "mix_copy_count",
+)
+
 CacheMode = Literal["kv", "states", "absorbed"]
 AttnImpl = Literal["sdpa", "eager"]
 InitMode = Literal["zero", "copy", "gate"]

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import CACHE_MODES, CepeConfig, default_encoder_config
+from .config import CACHE_MODES, COPY_HEAD_INPUTS, CepeConfig, default_encoder_config
 from .cross_attention import CrossContext, zero_linear
 from .encoder import ContextEncoder
 from .fileio import umask
@@ -123,18 +123,10 @@ class CepeForCausalLM(nn.Module):
             head.bias.fill_(COPY_BIAS)
         return head
 
-    def _copy_own(self) -> tuple[bool, bool, bool, bool, bool, bool]:
-        """Which inputs of its own the copy head takes: ``(mix_copy_prob, mix_copy_near, mix_copy_sure,
-        mix_copy_top, mix_copy_read, mix_copy_count)``."""
-        c = self.cepe_config
-        return (
-            c.mix_copy_prob,
-            c.mix_copy_near,
-            c.mix_copy_sure,
-            c.mix_copy_top,
-            c.mix_copy_read,
-            c.mix_copy_count,
-        )
+    def _copy_own(self) -> tuple[bool, ...]:
+        """Which inputs of its own the copy head takes, one flag per name of
+        :data:`cepe.config.COPY_HEAD_INPUTS`."""
+        return tuple(bool(getattr(self.cepe_config, name)) for name in COPY_HEAD_INPUTS)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -444,19 +436,17 @@ class CepeForCausalLM(nn.Module):
             raise ValueError(
                 "mix_copy needs the output mixture with suffix-match inputs: enable_output_mix first"
             )
+        wanted = (prob, near, sure, top, read, count)  # in the order of COPY_HEAD_INPUTS
         if self.copy_head is None:
-            c.mix_copy_prob, c.mix_copy_near, c.mix_copy_sure, c.mix_copy_top = prob, near, sure, top
-            c.mix_copy_read, c.mix_copy_count = read, count
+            for name, want in zip(COPY_HEAD_INPUTS, wanted, strict=True):
+                setattr(c, name, want)
             self.copy_head = self._new_copy_head()
-        elif any(
-            want and not has for want, has in zip((prob, near, sure, top, read, count), self._copy_own())
-        ):
+        elif any(want and not has for want, has in zip(wanted, self._copy_own(), strict=True)):
             d = int(self.decoder.config.hidden_size)
             args = (d, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
             old = head_inputs(*args, *self._copy_own())
-            c.mix_copy_prob, c.mix_copy_near = c.mix_copy_prob or prob, c.mix_copy_near or near
-            c.mix_copy_sure, c.mix_copy_top = c.mix_copy_sure or sure, c.mix_copy_top or top
-            c.mix_copy_read, c.mix_copy_count = c.mix_copy_read or read, c.mix_copy_count or count
+            for name, want in zip(COPY_HEAD_INPUTS, wanted, strict=True):
+                setattr(c, name, getattr(c, name) or want)
             self.copy_head = widen_head(self.copy_head, old, head_inputs(*args, *self._copy_own()))
         c.mix_copy = True
 

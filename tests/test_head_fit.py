@@ -409,6 +409,30 @@ def test_task_weights_reweigh_the_fit(tmp_path):
         HeadFitConfig(recipe="x.yaml", task_weights={"lm": -1.0})
 
 
+def test_a_recipe_over_an_adapter_adds_each_copy_input(tmp_path):
+    """Every copy-head input a recipe names reaches a model built over an adapter without it (the head
+    widened with a zero weight, the function unchanged), not only a model built from scratch."""
+    from cepe.config import COPY_HEAD_INPUTS
+    from cepe.training.models import build_model
+
+    bare = {**HEADS_ONLY, **{name: False for name in COPY_HEAD_INPUTS}}
+    base = build_model(load_config(_recipe(tmp_path, cepe=bare)))
+    with torch.no_grad():
+        base.copy_head.weight.normal_(0, 0.5)
+    path = tmp_path / "bare"
+    base.save_pretrained(path)
+    for name in COPY_HEAD_INPUTS:
+        if name == "mix_copy_prob":  # fit-heads refuses it; the model takes it all the same
+            continue
+        over = build_model(load_config(_recipe(tmp_path, init_adapter=str(path), cepe={**bare, name: True})))
+        assert getattr(over.cepe_config, name), name
+        names = head_names(over.cepe_config, 64)["copy_head"]
+        assert over.copy_head.weight.shape[1] == len(names) == base.copy_head.weight.shape[1] + 1, name
+        assert over.copy_head.weight[0, -1] == 0 and torch.equal(
+            over.copy_head.weight[0, :-1], base.copy_head.weight[0]
+        )
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="copy_decays are finite numbers"):
         HeadFitConfig(recipe="x.yaml", copy_decays=[1.0, -2.0])

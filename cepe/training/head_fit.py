@@ -135,20 +135,13 @@ def head_nll(stats: TokenStats, heads: Heads) -> torch.Tensor:
 def head_names(c: Any, hidden_size: int) -> dict[str, list[str] | None]:
     """The inputs of each head (:func:`cepe.mixture.head_inputs`) of a :class:`~cepe.config.CepeConfig`
     ``c``; None for a head it does not have."""
+    from cepe.config import COPY_HEAD_INPUTS
     from cepe.mixture import head_inputs
 
     shared = (hidden_size, c.mix_match, c.mix_hidden, c.mix_length, c.mix_agree)
     return {
         "mix_head": head_inputs(*shared) if c.output_mix else None,
-        "copy_head": head_inputs(
-            *shared,
-            c.mix_copy_prob,
-            c.mix_copy_near,
-            c.mix_copy_sure,
-            c.mix_copy_top,
-            c.mix_copy_read,
-            c.mix_copy_count,
-        )
+        "copy_head": head_inputs(*shared, *(bool(getattr(c, n)) for n in COPY_HEAD_INPUTS))
         if c.mix_copy
         else None,
     }

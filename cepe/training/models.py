@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from cepe.compute import resolve_bf16
-from cepe.config import CepeConfig, EncoderConfig, encoder_config_from_decoder
+from cepe.config import COPY_HEAD_INPUTS, CepeConfig, EncoderConfig, encoder_config_from_decoder
 from cepe.cross_attention import AlignProbe
 from cepe.dtypes import torch_dtype
 from cepe.encoder import EncoderForMaskedLM
@@ -148,18 +148,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             if "mix_length_cap" in cfg.cepe:  # the heads' length input capped (or not: None)
                 model.set_mix_length_cap(cfg.cepe["mix_length_cap"])
         if cfg.cepe.get("mix_copy"):  # the copy after the longest matched suffix, and its head
-            model.enable_output_copy(
-                *(
-                    bool(cfg.cepe.get(k, False))
-                    for k in (
-                        "mix_copy_prob",
-                        "mix_copy_near",
-                        "mix_copy_sure",
-                        "mix_copy_top",
-                        "mix_copy_read",
-                    )
-                )
-            )
+            model.enable_output_copy(*(bool(cfg.cepe.get(k, False)) for k in COPY_HEAD_INPUTS))
             if "mix_copy_decay" in cfg.cepe:  # the copy's votes weighed by how far back they stand
                 model.set_mix_copy_decay(float(cfg.cepe["mix_copy_decay"]))
         if "causal" in cfg.encoder:  # the same weights, attending within a chunk the other way
