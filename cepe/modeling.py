@@ -464,12 +464,7 @@ class CepeForCausalLM(nn.Module):
             "mix_length_cap",
             "mix_agree",
             "mix_copy",
-            "mix_copy_prob",
-            "mix_copy_near",
-            "mix_copy_sure",
-            "mix_copy_top",
-            "mix_copy_read",
-            "mix_copy_count",
+            *COPY_HEAD_INPUTS,
             "mix_copy_decay",
         )
         for name in names:

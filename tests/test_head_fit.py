@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from cepe.config import COPY_HEAD_INPUTS
 from cepe.training.config import load_config
 from cepe.training.head_fit import (
     HeadFitConfig,
@@ -39,6 +40,8 @@ HEADS_ONLY = {
     "mix_copy_read": True,
     "mix_copy_count": True,
 }
+
+NO_COPY = {**HEADS_ONLY, "mix_copy": False, **{name: False for name in COPY_HEAD_INPUTS}}  # the mixture alone
 
 
 def _recipe(tmp_path, **over) -> dict:
@@ -278,16 +281,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     assert both[f"compare:{plain}"]["nll"] == pytest.approx(both[f"compare:{wide}"]["nll"], abs=1e-9)
     assert both[f"compare:{plain}"]["nll"] != pytest.approx(both["start"]["nll"], abs=1e-3)
     none = tmp_path / "none"
-    cfg_none = {
-        **HEADS_ONLY,
-        "mix_copy": False,
-        "mix_copy_near": False,
-        "mix_copy_sure": False,
-        "mix_copy_top": False,
-        "mix_copy_read": False,
-        "mix_copy_count": False,
-    }
-    build_model(load_config(_recipe(tmp_path, cepe=cfg_none, train_only=["mix_head"]))).save_pretrained(none)
+    build_model(load_config(_recipe(tmp_path, cepe=NO_COPY, train_only=["mix_head"]))).save_pretrained(none)
     with pytest.raises(ValueError, match="copy_head of .* takes nothing .* the recipe's 10 inputs"):
         run_head_fit(
             HeadFitConfig(
@@ -349,19 +343,7 @@ def test_a_decay_sweep_reuses_the_records(tmp_path, monkeypatch):
         assert torch.equal(again, recorded.p_copy) == want
         assert torch.equal(top, recorded.x_copy[:, -1]) == want  # the top share (last here), recorded in fp32
     monkeypatch.undo()
-    plain = _recipe(  # a fresh reader with the mixture alone
-        tmp_path,
-        cepe={
-            **HEADS_ONLY,
-            "mix_copy": False,
-            "mix_copy_near": False,
-            "mix_copy_sure": False,
-            "mix_copy_top": False,
-            "mix_copy_read": False,
-            "mix_copy_count": False,
-        },
-        train_only=["mix_head"],
-    )
+    plain = _recipe(tmp_path, cepe=NO_COPY, train_only=["mix_head"])  # a fresh reader with the mixture alone
     none = tmp_path / "nocopy.yaml"
     none.write_text(yaml.safe_dump(plain))
     with pytest.raises(ValueError, match="this recipe has no copy"):
@@ -412,7 +394,6 @@ def test_task_weights_reweigh_the_fit(tmp_path):
 def test_a_recipe_over_an_adapter_adds_each_copy_input(tmp_path):
     """Every copy-head input a recipe names reaches a model built over an adapter without it (the head
     widened with a zero weight, the function unchanged), not only a model built from scratch."""
-    from cepe.config import COPY_HEAD_INPUTS
     from cepe.training.models import build_model
 
     bare = {**HEADS_ONLY, **{name: False for name in COPY_HEAD_INPUTS}}
