@@ -213,6 +213,13 @@ def vote_weights(d: torch.Tensor, decay: float) -> torch.Tensor:
     return (1.0 + d.double() / DECAY_UNIT).pow(-float(decay)).float()
 
 
+def context_token_ids(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The context's token ids as the suffix match reads them, ``(B, S)`` from chunks ``(B, K, L)`` (or
+    ``(B, S)``): one text per example, padding (``mask`` False) as -1, which matches nothing."""
+    flat = ids.reshape(ids.shape[0], -1)
+    return flat if mask is None else flat.masked_fill(~mask.reshape(flat.shape).bool(), -1)
+
+
 def context_successors(
     ids: torch.Tensor, mask: torch.Tensor | None, order: int, recency: bool = False, decay: float = 0.0
 ) -> Successors:

@@ -32,6 +32,7 @@ from .layers import norm_scale
 from .mixture import (
     COPY_BIAS,
     CopySpans,
+    context_token_ids,
     copy_agreement_feature,
     copy_mix_logits,
     copy_mix_nll,
@@ -655,9 +656,7 @@ class CepeForCausalLM(nn.Module):
             mask = None
         match_ids, order = None, self.cepe_config.mix_match if self.cepe_config.output_mix else 0
         if order and encoder_input_ids is not None:
-            match_ids = encoder_input_ids.reshape(encoder_input_ids.shape[0], -1)
-            if encoder_attention_mask is not None:
-                match_ids = match_ids.masked_fill(~encoder_attention_mask.reshape(match_ids.shape).bool(), -1)
+            match_ids = context_token_ids(encoder_input_ids, encoder_attention_mask)
         return CrossContext(
             states=states.to(self.dtype) if not torch.is_autocast_enabled(states.device.type) else states,
             key_mask=mask,

@@ -90,7 +90,8 @@ def show_tokens(per, lengths, seqs, heads: Heads, names: list[str], tok, n: int,
     """Print, for each step, the ``top`` tokens whose NLL changes most (either way)."""
     for lo, hi in zip(lengths, lengths[1:]):
         sa, sb = per[lo], per[hi]
-        d = head_nll(sb, heads) - head_nll(sa, heads)  # (N,) sequences one after another
+        na, nb = head_nll(sa, heads), head_nll(sb, heads)  # (N,) sequences one after another
+        d = nb - na
         up, down = float(d.clamp_min(0).mean()), float(d.clamp_max(0).mean())
         print(
             f"\nFrom {lo} to {hi} the tokens that rise add {up:+.4f} nats a token, those that fall {down:+.4f}; "
@@ -112,8 +113,7 @@ def show_tokens(per, lengths, seqs, heads: Heads, names: list[str], tok, n: int,
             }
             print(
                 f"- sequence {s}, token {j}: {tok.decode(tg[max(0, j - 6) : j])!r} -> {tok.decode([tg[j]])!r}: "
-                f"{float(d[i]):+.3f} (NLL {float(head_nll(sa.select(torch.arange(len(sa)) == i), heads)[0]):.2f} -> "
-                f"{float(head_nll(sb.select(torch.arange(len(sb)) == i), heads)[0]):.2f}), μ {mus[0]:.3f} -> {mus[1]:.3f}, "
+                f"{float(d[i]):+.3f} (NLL {float(na[i]):.2f} -> {float(nb[i]):.2f}), μ {mus[0]:.3f} -> {mus[1]:.3f}, "
                 f"p_copy {float(sa.p_copy[i]):.3f} -> {float(sb.p_copy[i]):.3f}, reader {float(-sa.lp_ctx[i]):.2f} -> "
                 f"{float(-sb.lp_ctx[i]):.2f}; inputs {moved_inputs}"
             )

@@ -30,7 +30,7 @@ from cepe.mixture import (
     top_logprob,
     vote_weights,
 )
-from cepe.training.speed import HeadWeight, chunked_copy_expectation, chunked_top_logprob, mixture_token_nll
+from cepe.training.speed import HeadWeight, chunked_copy_expectation, chunked_reader_inputs, mixture_token_nll
 
 
 def _brute_copy(ids: list[int], ctx: list[int], order: int, vocab: int) -> torch.Tensor:
@@ -356,21 +356,31 @@ def test_the_chunked_copy_expectation_agrees_with_the_dense_one():
     torch.testing.assert_close(f, torch.tensor([0.0, math.log(1e-3) / 8, -2.0, 0.0]))
 
 
-def test_the_chunked_top_logprob_agrees_with_the_dense_one():
-    """``chunked_top_logprob`` (rows in chunks, or only the rows asked for) = ``top_logprob`` of all logits
-    at once = the largest log-softmax entry; ``reader_sure_feature`` floors it at −16, scales by 1/8 and is 0 without a match."""
+def test_the_chunked_reader_inputs_agree_with_the_dense_ones():
+    """``chunked_reader_inputs`` (rows in chunks, only the rows with a suffix, one pass of logits for
+    both) = ``top_logprob`` of all logits at once = the largest log-softmax entry, and = the copy's
+    expectation under the reader's softmax; 0 without a match; ``reader_sure_feature`` floors the first at
+    −16, scales by 1/8 and is 0 without a match."""
     g = torch.Generator().manual_seed(4)
-    h, w = torch.randn(23, 6, generator=g) * 3, torch.randn(11, 6, generator=g)
-    dense = (h.double() @ w.double().T).log_softmax(-1).max(-1).values.float()
-    torch.testing.assert_close(top_logprob(h @ w.T), dense)
+    vocab, d = 11, 6
+    ctx_ids = torch.randint(0, vocab, (1, 40), generator=g)
+    dec = torch.randint(0, vocab, (1, 23), generator=g)
+    dec[0, :5] = vocab + 1  # no match at the start
+    spans = copy_spans(dec, context_successors(ctx_ids, None, 3))[0]  # (23,)
+    h, w = torch.randn(23, d, generator=g) * 3, torch.randn(vocab, d, generator=g)
+    logp = (h.double() @ w.double().T).log_softmax(-1)
+    has = spans.has
+    assert has.any() and (~has).any()
+    top = torch.where(has, logp.max(-1).values, torch.zeros(23, dtype=torch.float64)).float()
+    expect = (spans.probs(vocab).double() * logp.exp()).sum(-1).float()  # 0 where no suffix occurs
+    torch.testing.assert_close(top_logprob(h @ w.T)[has], top[has])
     for chunk in (1, 4, 100):
-        torch.testing.assert_close(chunked_top_logprob(h, w, chunk), dense)
-    where = torch.rand(23, generator=g) > 0.5  # only these rows; the others 0
-    assert where.any() and (~where).any()
-    for chunk in (1, 5):
-        got = chunked_top_logprob(h, w, chunk, where=where)
-        torch.testing.assert_close(got, torch.where(where, dense, torch.zeros_like(dense)))
-    assert (dense < -0.1).any() and (dense <= 0).all()
+        got_top, got_expect = chunked_reader_inputs(h, w, spans, True, True, chunk)
+        torch.testing.assert_close(got_top, top)
+        torch.testing.assert_close(got_expect, expect)
+    assert chunked_reader_inputs(h, w, spans, False, True)[0] is None
+    assert chunked_reader_inputs(h, w, spans, True, False)[1] is None
+    assert (top[has] < -0.1).any() and (top <= 0).all() and (expect[has] > 0).all()
     u = reader_sure_feature(torch.tensor([0.0, -4.0, -40.0, -1.0]), torch.tensor([True, True, True, False]))
     torch.testing.assert_close(u, torch.tensor([0.0, -0.5, -2.0, 0.0]))
 

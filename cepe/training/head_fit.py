@@ -183,7 +183,7 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
     has no context (the heads take no part there)."""
     from cepe.mixture import copy_agreement_feature, copy_recency_feature, reader_sure_feature, top_logprob
 
-    from .speed import HeadWeight, chunked_copy_expectation, chunked_target_logprobs, chunked_top_logprob
+    from .speed import HeadWeight, chunked_reader_inputs, chunked_target_logprobs
 
     dev = batch["input_ids"].device
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -211,21 +211,19 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
             lp_ctx, lp_dec = (
                 model.lm_logits(x).float().log_softmax(-1).gather(-1, y[:, None])[:, 0] for x in (h, h_dec)
             )
-            if want_top:
-                top = torch.zeros_like(lp_ctx)
-                top[cp.has] = top_logprob(model.lm_logits(h[cp.has]))
-            if want_read:
-                read = torch.zeros_like(lp_ctx)
-                read[cp.has] = cp[cp.has].expected(model.lm_logits(h[cp.has]).float().log_softmax(-1))
+            if want_top or want_read:  # the reader's capped logits once, where a suffix occurs
+                logits = model.lm_logits(h[cp.has]).float()
+                top, read = torch.zeros_like(lp_ctx), torch.zeros_like(lp_ctx)
+                top[cp.has] = top_logprob(logits)
+                read[cp.has] = cp[cp.has].expected(logits.log_softmax(-1))
+                top, read = (top if want_top else None), (read if want_read else None)
         else:
             with torch.autocast(dev.type, enabled=False):
                 w = HeadWeight().get(model.decoder, dtype)
                 lp_ctx = chunked_target_logprobs(h, w, y)
                 lp_dec = chunked_target_logprobs(h_dec, w, y)
-                if want_top:
-                    top = chunked_top_logprob(h, w, where=cp.has)
-                if want_read:
-                    read = chunked_copy_expectation(h, None, None, w, cp)
+                if want_top or want_read:
+                    top, read = chunked_reader_inputs(h, w, cp, want_top, want_read)
     m = match[:, :-1][sel]  # (N, F) fp32
     x_mix = m.to(h.dtype).float()  # as mix_logit casts its inputs
     x_copy, p_copy, has = None, torch.zeros_like(lp_ctx), torch.zeros_like(y, dtype=torch.bool)
@@ -279,15 +277,11 @@ def copy_target_probs(
     :func:`record_batch` (None where it records nothing: no context), with the votes weighed by ``decay``
     (``CepeConfig.mix_copy_decay``) and suffixes up to ``order`` tokens: from the token ids alone, so
     records made with one decay can be fitted with another."""
-    from cepe.mixture import context_successors, copy_spans
+    from cepe.mixture import context_successors, context_token_ids, copy_spans
 
-    enc = batch.get("encoder_input_ids")
-    if enc is None:
+    if batch.get("encoder_input_ids") is None:
         return None
-    ids = enc.reshape(enc.shape[0], -1)
-    mask = batch.get("encoder_attention_mask")
-    if mask is not None:
-        ids = ids.masked_fill(~mask.reshape(ids.shape).bool(), -1)
+    ids = context_token_ids(batch["encoder_input_ids"], batch.get("encoder_attention_mask"))
     if not bool((ids >= 0).any()):
         return None
     labels = batch["labels"]

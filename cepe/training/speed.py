@@ -212,49 +212,56 @@ def mixture_token_nll(
     if model.cepe_config.mix_copy_prob:
         with torch.autocast(dev, enabled=False):
             expect = chunked_copy_expectation(h, h_dec, a, w, cp)
-    top = None
-    if model.cepe_config.mix_copy_sure:
-        with torch.autocast(dev, enabled=False):
-            top = chunked_top_logprob(h, w, where=cp.has)
-    read = None
-    if getattr(model.cepe_config, "mix_copy_read", False):
-        with torch.autocast(dev, enabled=False):
-            read = chunked_copy_expectation(h, None, None, w, cp)
+    with torch.autocast(dev, enabled=False):
+        c_cfg = model.cepe_config
+        top, read = chunked_reader_inputs(h, w, cp, c_cfg.mix_copy_sure, c_cfg.mix_copy_read)
     c = model.copy_logit(h, h_dec, m, cp, expect, top, read)
     return copy_mix_nll(nll, c, cp.target_probs(y), cp.has)
 
 
 @torch.no_grad()
-def chunked_top_logprob(
+def chunked_reader_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    copy: CopySpans,
+    sure: bool,
+    read: bool,
     chunk: int | None = None,
-    where: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``max_y log_softmax(hidden @ weightᵀ)_y`` ``(N,)`` fp32 (:func:`cepe.mixture.top_logprob`) without all
-    logits at once; no gradient.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The copy head's inputs that read the reader's own distribution, from one pass of its logits over
+    the rows where a suffix occurs (the others 0; the heads ignore them): with ``sure`` ``max_y log
+    p_cepe(y)`` (:func:`cepe.mixture.top_logprob`, ``mix_copy_sure``), with ``read`` ``Σ_y p_copy(y)·p_cepe(y)``
+    (:meth:`cepe.mixture.CopySpans.expected`, ``mix_copy_read``); ``(N,)`` fp32 each, None where not asked;
+    no gradient.
 
     Args:
-        hidden: ``(N, D)`` final hidden states; weight: ``(V, D)`` the output embedding (matmul dtype);
-            chunk: rows per chunk (default: about 8M logits); where: ``(N,)`` bool, the rows to compute
-            (the others are 0: the copy head's input is 0 where no suffix occurs), or None for all.
+        hidden: ``(N, D)`` the reader's final hidden states; weight: ``(V, D)`` the output embedding (matmul
+            dtype); copy: ``(N,)`` copy spans; chunk: rows per chunk (default: about 8M logits).
     """
     from cepe.mixture import top_logprob
 
+    n = hidden.shape[0]
+    top = torch.zeros(n, dtype=torch.float32, device=hidden.device) if sure else None
+    expect = torch.zeros(n, dtype=torch.float32, device=hidden.device) if read else None
+    if not (sure or read):
+        return top, expect
     rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    idx = torch.arange(hidden.shape[0], device=hidden.device) if where is None else where.nonzero()[:, 0]
+    idx = copy.has.nonzero()[:, 0]
     for i in range(0, idx.numel(), rows):
         at = idx[i : i + rows]
-        out[at] = top_logprob(hidden[at].to(weight.dtype) @ weight.T)
-    return out
+        logits = (hidden[at].to(weight.dtype) @ weight.T).float()  # (n, V)
+        if top is not None:
+            top[at] = top_logprob(logits)
+        if expect is not None:
+            expect[at] = copy[at].expected(logits.log_softmax(-1))
+    return top, expect
 
 
 @torch.no_grad()
 def chunked_copy_expectation(
     h_ctx: torch.Tensor,
-    h_dec: torch.Tensor | None,
-    a: torch.Tensor | None,
+    h_dec: torch.Tensor,
+    a: torch.Tensor,
     weight: torch.Tensor,
     copy: CopySpans,
     chunk: int | None = None,
@@ -264,9 +271,7 @@ def chunked_copy_expectation(
 
     Args:
         h_ctx, h_dec: ``(N, D)`` final hidden states with and without the context; a: ``(N,)`` the mixing
-            logit (``a`` and ``h_dec`` None: the reader's ``softmax(h_ctx Wᵀ)`` alone, the
-            ``mix_copy_read`` input); weight: ``(V, D)`` the output embedding (matmul dtype); copy: ``(N,)``
-            copy spans.
+            logit; weight: ``(V, D)`` the output embedding (matmul dtype); copy: ``(N,)`` copy spans.
     """
     rows = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
     out = torch.zeros(h_ctx.shape[0], dtype=torch.float32, device=h_ctx.device)
@@ -417,10 +422,10 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         bwd_lin += copying * (int(copy_head.weight.requires_grad) + int(stream_grad))
         if getattr(model.cepe_config, "mix_copy_prob", False):  # both sides' logits again (at most)
             fwd_lin += 2 * head
-        if getattr(model.cepe_config, "mix_copy_sure", False):  # the reader's logits again (at most)
-            fwd_lin += head
-        if getattr(model.cepe_config, "mix_copy_read", False):  # and once more for its expectation
-            fwd_lin += head
+        if getattr(model.cepe_config, "mix_copy_sure", False) or getattr(
+            model.cepe_config, "mix_copy_read", False
+        ):
+            fwd_lin += head  # the reader's logits again, once for both (at most)
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
         t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
         share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
