@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The validation evaluations that decide between adapters (never the reported test documents): fixed targets
 # up to 2K on 80 sequences (fixedppl_val_short.yaml) and up to 7.5K on 8 (fixedppl_val.yaml), perplexity at
-# 1K / 2K (lm_val.yaml), the validation copy probe (copy_val.yaml) and the news needle (needle_val4.yaml).
+# 1K / 2K (lm_val.yaml), the validation copy probe (copy_val.yaml), the news needle (needle_val4.yaml) and
+# planted-fact QA from held-out papers with 2 / 5 / 10 passages (qa_val.yaml).
 # Usage: bash scripts/eval_val.sh ADAPTER_DIR OUT_DIR   (pause any training run on the same cores)
 # ONLY="lm_val copy_val" runs a subset; results: OUT_DIR/CONFIG/{CONFIG.json,.md,.png}, logs OUT_DIR/CONFIG.log.
 set -euo pipefail
@@ -11,9 +12,9 @@ if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the
 ADAPTER=$1; OUT=$2
 [ -f "$ADAPTER/cepe_config.json" ] || { echo "no cepe adapter at $ADAPTER (no cepe_config.json)" >&2; exit 2; }
 mkdir -p "$OUT"
-for name in ${ONLY:-fixedppl_val_short fixedppl_val lm_val copy_val needle_val4}; do
+for name in ${ONLY:-fixedppl_val_short fixedppl_val lm_val copy_val needle_val4 qa_val}; do
   case $name in
-    fixedppl_val*) task=fixedppl ;; lm_val) task=lm ;; copy_val) task=copy ;; needle_val4) task=needle ;;
+    fixedppl_val*) task=fixedppl ;; lm_val) task=lm ;; copy_val) task=copy ;; needle_val4) task=needle ;; qa_val) task=qa ;;
     *) echo "unknown validation config: $name" >&2; exit 2 ;;
   esac
   cepe eval "$task" --model "$ADAPTER" --config "configs/eval/$name.yaml" --methods cepe --autocast auto \

@@ -320,3 +320,24 @@ def test_eval_context_scale_overrides_the_adapter(tmp_path, monkeypatch):
     assert ppl0["cepe"] == ppl0["truncated"] == ppl1["truncated"]
     assert ppl1["cepe"] != ppl0["cepe"]
     assert main(["eval", "lm", "--model", "tiny", "--config", str(cfg), "--context-scale", "-0.5"]) == 2
+
+
+def test_qa_validation_set_reads_only_its_split():
+    """A synthetic QA source with ``split`` (configs/eval/qa_val.yaml) cuts every passage, the planted
+    fact's host included, from documents of that split only."""
+    from cepe.data.split import SplitFractions, assign_split
+    from cepe.eval.tasks.qa import synthetic_qa
+
+    docs = [{"id": f"d{i}", "text": " ".join(f"w{i}x{j}." for j in range(40))} for i in range(80)]
+    spec = {"split": "retrieval", "split_seed": 1, "test_fraction": 0.3, "retrieval_fraction": 0.3}
+    fr = SplitFractions(test=0.3, retrieval=0.3)
+    held = {d["id"] for d in docs if assign_split(d["id"], 1, fr) == "retrieval"}
+    assert 0 < len(held) < len(docs)
+    data = synthetic_qa(
+        {"documents": docs, **spec}, num_questions=6, num_passages=4, passage_words=10, seed=1
+    )
+    sources = {
+        w.split("x")[0] for ex in data for c in ex["ctxs"] for w in c["text"].split() if w.startswith("w")
+    }
+    assert sources and sources <= {"w" + h[1:] for h in held}
+    assert all(ex["ctxs"][ex["gold_rank"]].get("has_answer") for ex in data)
