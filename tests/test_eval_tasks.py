@@ -44,7 +44,12 @@ def _check(result, tmp_path, metric):
     paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
     assert json.loads(open(paths["json"]).read())["task"] == result["task"]
     lines = open(paths["markdown"]).read().splitlines()
-    table = [line for line in lines if line.startswith("|")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []  # the rows' table: the first block of table lines (a task may add more tables below it)
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
     head = [c.strip() for c in table[0].strip("|").split("|")]
     assert head[-6:] == ["method", "metric", "value", "n", "tokens/s", "peak MB"]
     body = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
@@ -101,7 +106,64 @@ def test_qa(setup, tmp_path):
         "max_new_tokens": 3,
     }
     r = run_task("qa", setup, cfg)
-    _check(r, tmp_path, "em")
+    paths = _check(r, tmp_path, "em")
+    for row in r["rows"]:  # every question counted once, in the place its passage has for the method
+        n = row["n_by_place"]
+        assert sum(n.values()) == row["n"] == 2 and row["answer_nll"] > 0
+        assert set(n) <= {"decoder", "encoder", "absent"}
+        assert ("encoder" in n) <= (row["method"] in ("cepe", "replug"))
+        mean = sum(row["answer_nll_by_place"][p] * n[p] for p in n) / row["n"]
+        assert mean == pytest.approx(row["answer_nll"], abs=1e-3)
+    assert "Gold answers, teacher-forced" in open(paths["markdown"]).read()
+
+
+def test_qa_answer_place_and_likelihood():
+    """``answer_place`` puts the answer's passage where each method reads it; the forced answer NLL is
+    the decoder's own cross-entropy of the gold answer after the prompt (truncated), and CEPE with its
+    context switched off scores exactly that."""
+    import torch
+
+    from cepe.eval.tasks.qa import answer_place
+
+    ctxs = [{"text": "a"}, {"text": "b"}, {"text": "c", "has_answer": True}, {"text": "d"}]
+    ex = {"ctxs": ctxs}
+    assert answer_place(ex, 4, 2, "cepe") == "encoder" and answer_place(ex, 4, 2, "truncated") == "absent"
+    assert answer_place(ex, 4, 4, "full") == "decoder" and answer_place(ex, 2, 2, "cepe") == "absent"
+    assert answer_place(ex, 4, 3, "cepe") == "decoder" and answer_place(ex, 4, 2, "replug") == "encoder"
+    assert answer_place({"ctxs": ctxs[:2]}, 2, 1, "cepe") is None
+
+    cfg = {
+        "synthetic": {"source": {"documents": _docs(6)}, "num_questions": 1, "passage_words": 15},
+        "ks": [3],
+        "decoder_passages": 1,
+        "max_new_tokens": 2,
+    }
+    tiny = load_setup("tiny", ["cepe", "truncated"], progress=False)
+    tiny.cepe_model.cepe_config.context_scale = 0.0
+    by = {row["method"]: row for row in run_task("qa", tiny, cfg)["rows"]}
+    assert by["cepe"]["answer_nll"] == pytest.approx(by["truncated"]["answer_nll"], abs=1e-5)
+    # the truncated row by hand: demonstrations, the first passage, the question, then the gold answer
+    from cepe.eval.tasks.qa import Config, synthetic_qa
+
+    c = Config(**cfg)
+    demos, (ex,) = (lambda d: (d[:2], d[2:]))(synthetic_qa({"documents": _docs(6)}, 3, 3, 15, seed=0))
+    text = "".join(
+        c.passage_template.format(title=d["ctxs"][0]["title"], text=d["ctxs"][0]["text"])
+        + c.question_template.format(question=d["question"])
+        + c.demo_answer_template.format(answer=d["answers"][0])
+        for d in demos
+    )
+    ids = tiny.encode(text) + tiny.encode(
+        c.passage_template.format(title=ex["ctxs"][0]["title"], text=ex["ctxs"][0]["text"])
+    )
+    ids += tiny.encode(c.question_template.format(question=ex["question"]))
+    gold = tiny.encode(" " + ex["answers"][0])
+    with torch.no_grad():
+        logits = tiny.cepe_model.decoder(input_ids=torch.tensor([ids + gold])).logits[0, -len(gold) - 1 : -1]
+    nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(gold)).item()
+    assert by["truncated"]["answer_nll"] == pytest.approx(nll, abs=1e-3)
+    place = answer_place(ex, 3, 1, "truncated")
+    assert by["truncated"]["n_by_place"] == {place: 1}
 
 
 def test_icl(setup, tmp_path):

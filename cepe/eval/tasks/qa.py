@@ -8,6 +8,13 @@ chunk); ``full`` puts all ``k`` in the decoder, ``truncated`` the top ``decoder_
 one pass per passage (weights from the ctx scores, uniform without).
 
 Here a deterministic synthetic set plants facts into passages of a bundled corpus (:func:`synthetic_qa`).
+
+Exact match over a few dozen questions moves in steps of several points; each row also gets ``answer_nll``,
+the gold answer's teacher-forced NLL (nats per token) after the question, and, where the examples say which
+passage holds the answer (``has_answer``, as the synthetic set does), the same split by where that passage
+sits for the method (``answer_nll_by_place`` / ``em_by_place``: ``decoder``, ``encoder`` or ``absent``, the
+passage beyond the ``k`` given or left out by ``truncated``), so that a checkpoint moving towards reading its
+encoder shows before its answers turn exact.
 """
 
 from __future__ import annotations
@@ -98,6 +105,23 @@ def synthetic_qa(
     return out
 
 
+def answer_place(ex: dict[str, Any], k: int, n_dec: int, method: str) -> str | None:
+    """Where the passage that holds ``ex``'s answer sits for ``method`` given ``k`` passages of which the
+    first ``n_dec`` go to the decoder: ``"decoder"``, ``"encoder"`` (CEPE's passages after the decoder's;
+    REPLUG's, each in its own pass) or ``"absent"`` (beyond ``k``, or dropped by ``truncated``); None when
+    no passage says ``has_answer``."""
+    rank = next((i for i, c in enumerate(ex["ctxs"]) if c.get("has_answer")), None)
+    if rank is None:
+        return None
+    if rank >= k:
+        return "absent"
+    if method == "replug":
+        return "encoder"
+    if rank < n_dec:
+        return "decoder"
+    return "encoder" if method == "cepe" else "absent"
+
+
 @dataclass
 class Config:
     """Settings (defaults: the paper's, with a file; ``configs/eval/qa.yaml`` runs the synthetic set).
@@ -178,16 +202,42 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                     req = Request(demo_ids + dec_ids + q_ids, 0)
                 req.max_new_tokens, req.stop_ids = cfg.max_new_tokens, stops
                 pred = setup.decode(m.generate(req)).split("\n")[0].strip()
-                return exact_match(pred, ex["answers"]), req.num_tokens + cfg.max_new_tokens
+                gold = setup.encode(cfg.demo_answer_template.format(answer=ex["answers"][0]).rstrip("\n"))
+                forced = Request(req.input_ids + gold, len(gold), req.context, req.context_scores)
+                nll = -float(m.score([forced])[0].mean())
+                em = exact_match(pred, ex["answers"])
+                return {"em": float(em), "nll": nll}, req.num_tokens + cfg.max_new_tokens + len(gold)
 
-            ems, cost = run_examples(setup, method, tests, answer, f"qa k={k}")
+            vals, cost = run_examples(setup, method, tests, answer, f"qa k={k}")
+            n_dec = k if method in ("full", "streamingllm") else min(cfg.decoder_passages, k)
+            places = [answer_place(ex, k, n_dec, method) for ex in tests]
+            by_place = {
+                p: [v for v, q in zip(vals, places, strict=True) if q == p]
+                for p in ("decoder", "encoder", "absent")
+                if p in places
+            }
             rows.append(
                 {
                     "method": method,
                     "setting": {"k": k},
                     "metric": "em",
-                    "value": 100.0 * sum(ems) / max(1, len(ems)),
-                    "n": len(ems),
+                    "value": 100.0 * sum(v["em"] for v in vals) / max(1, len(vals)),
+                    "n": len(vals),
+                    "answer_nll": round(sum(v["nll"] for v in vals) / max(1, len(vals)), 4),
+                    **(
+                        {
+                            "answer_nll_by_place": {
+                                p: round(sum(v["nll"] for v in vs) / len(vs), 4) for p, vs in by_place.items()
+                            },
+                            "em_by_place": {
+                                p: round(100.0 * sum(v["em"] for v in vs) / len(vs), 2)
+                                for p, vs in by_place.items()
+                            },
+                            "n_by_place": {p: len(vs) for p, vs in by_place.items()},
+                        }
+                        if None not in places
+                        else {}
+                    ),
                     **cost,
                 }
             )
@@ -196,4 +246,30 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         "rows": rows,
         "plot_x": "k",
         "notes": ["synthetic set" if not cfg.path else cfg.path],
+        "extra_markdown": place_table(rows),
     }
+
+
+def place_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: per k and method, the gold answer's NLL (nats per token) and exact match, overall and by
+    where the answer's passage sits (questions in brackets)."""
+    from cepe.tables import pipe_table
+
+    places = ("decoder", "encoder", "absent")
+    head = [
+        "k",
+        "method",
+        "answer NLL",
+        *[f"NLL, answer in {p} (n)" for p in places],
+        "EM, answer in encoder",
+    ]
+    body = []
+    for r in rows:
+        nll, n, em = r.get("answer_nll_by_place", {}), r.get("n_by_place", {}), r.get("em_by_place", {})
+        body.append(
+            [str(r["setting"]["k"]), r["method"], f"{r['answer_nll']:.3f}"]
+            + [f"{nll[p]:.3f} ({n[p]})" if p in nll else "" for p in places]
+            + [f"{em['encoder']:.1f}" if "encoder" in em else ""]
+        )
+    lines = ["Gold answers, teacher-forced after the question (nats per token; lower is better):", ""]
+    return "\n".join(lines + pipe_table(head, body))
