@@ -378,15 +378,7 @@ class CepeConfig:
             "mix_copy copies after the suffixes that mix_match finds: set mix_match > 0 (and output_mix) "
             "too, or mix_copy: false",
         )
-        own = (
-            "mix_copy_prob",
-            "mix_copy_near",
-            "mix_copy_sure",
-            "mix_copy_top",
-            "mix_copy_read",
-            "mix_copy_count",
-        )
-        for name in own:
+        for name in COPY_HEAD_INPUTS:
             check(
                 not getattr(self, name) or self.mix_copy,
                 f"{name} is an input of the copy's head: set mix_copy (and mix_match, output_mix) too, "

@@ -414,12 +414,11 @@ def test_the_copy_heads_own_inputs_start_at_zero_weight(tmp_path):
         assert (again - after).abs().max() > 1e-3
         model.copy_head.weight[0, -1] = 3.0
         assert (model(ids, **kw).logits - again).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="mix_copy_prob is an input of the copy"):
-        CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_prob": True})
-    with pytest.raises(ValueError, match="mix_copy_near is an input of the copy"):
-        CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_near": True})
-    with pytest.raises(ValueError, match="mix_copy_sure is an input of the copy"):
-        CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, "mix_copy_sure": True})
+    from cepe.config import COPY_HEAD_INPUTS
+
+    for name in COPY_HEAD_INPUTS:  # every copy-head input needs the copy
+        with pytest.raises(ValueError, match=f"{name} is an input of the copy"):
+            CepeConfig(**{**tiny_cepe_config(output_mix=True, mix_match=2).__dict__, name: True})
     model.save_pretrained(tmp_path / "own")
     back = CepeForCausalLM.from_pretrained(tmp_path / "own", decoder=tiny_decoder())
     assert (
