@@ -132,6 +132,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "context_drop",
         "chunk_lengths",
         "decoder_lengths",
+        "context_chunks",
         "online_teacher",
         "teacher_tasks",
         "teacher_context",
@@ -1187,6 +1188,82 @@ def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_pa
     assert [r["loss"] for r in same] == [r["loss"] for r in plain]
     mixed = _mixed(
         tmp_path, steps=4, save_every=2, decoder_lengths=[20, 32], output_dir=str(tmp_path / "cut")
+    )
+    log = read_log(train(mixed))
+    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
+    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
+
+
+def test_context_chunks_build_each_micro_batch_with_its_own_chunk_count(tmp_path):
+    """context_chunks: a micro-batch's examples are built with an encoder chunk count drawn per
+    micro-batch (seeded by the step: exact resume) from the window's last k·L + n tokens, so encoder and
+    decoder stay contiguous and a shorter context is encoded at its own cost; drawn independently of
+    decoder_lengths, regrouped by chunk_lengths; a list holding only n_chunks changes nothing."""
+    from cepe.training.data import at_layout, step_context_chunks
+    from cepe.training.speed import step_flops
+
+    cfg = _mixed(tmp_path, tasks={"lm": 1, "recall": 1}, chunk_noise=0.0, context_chunks=[2, 4])
+    src = window_source(cfg, 128)
+    n, length = cfg.n_decoder, cfg.chunk_length
+    kinds = set()
+    for i in range(12):
+        c, w = at_layout(cfg, src[i], n_chunks=2)
+        assert c.n_chunks == 2 and c.context_chunks is None and w.shape == (2 * length + n,)
+        ex = build_example(c, w, i, None)
+        assert ex["input_ids"].shape == (n,) and ex["encoder_input_ids"].shape == (2, length)
+        window = torch.as_tensor(src[i])
+        assert torch.equal(ex["encoder_input_ids"].flatten(), window[-(2 * length + n) : -n])
+        kinds.add(int(ex["task"]))
+        if int(ex["task"]) == 0:  # lm: the window's last n tokens
+            assert torch.equal(ex["input_ids"], window[-n:])
+        else:  # recall: its targets in the two chunks the example has
+            al = ex["align_targets"]
+            assert al[-2] >= 0 and al[-1] == -1 and int(al.max()) < 2 * length
+            assert ex["input_ids"][-1] == ex["encoder_input_ids"].flatten()[al[-2]]
+    assert kinds == {0, 2}
+    both = _mixed(tmp_path, tasks={"lm": 1, "recall": 1}, decoder_lengths=[20, 32], context_chunks=[2, 4])
+    c, w = at_layout(both, src[0], 20, 2)
+    assert (c.n_decoder, c.n_chunks, c.decoder_lengths, c.context_chunks) == (20, 2, None, None)
+    assert torch.equal(torch.as_tensor(w), torch.as_tensor(src[0])[-(2 * length + 20) :])
+    w0 = src[0]
+    for k in (4, None):  # the full count: config and window as they are
+        c, w = at_layout(cfg, w0, None, k)
+        assert c is cfg and w is w0
+    drawn = [step_context_chunks(cfg, s, m) for s in range(20) for m in range(2)]
+    assert set(drawn) == {2, 4} and drawn == [
+        step_context_chunks(cfg, s, m) for s in range(20) for m in range(2)
+    ]
+    assert step_context_chunks(_mixed(tmp_path), 0, 0) is None
+    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+    flops = step_flops(cfg, build_model(cfg))
+    assert flops["encoder_tokens"] == cfg.batch_size * 3 * length  # the mean count
+    assert flops["total"] < step_flops(_mixed(tmp_path), build_model(cfg))["total"]
+    for over, msg in (
+        ({"context_chunks": [2, 5]}, "from 1 to n_chunks = 4"),
+        ({"context_chunks": []}, "non-empty"),
+        ({"context_chunks": [1]}, "with 1 chunks and 32 decoder tokens, recall_cue"),
+        ({"context_chunks": [3], "chunk_lengths": [16]}, "with 3 chunks .* chunk_lengths must be divisors"),
+        (
+            {"context_chunks": [2], "stage": "ceped", "tasks": None, "align_coef": 0.0},
+            "context_chunks varies the encoder of the cepe stage",
+        ),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            _mixed(tmp_path, **over)
+
+    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
+    same = read_log(train(_mixed(tmp_path, steps=3, context_chunks=[4], output_dir=str(tmp_path / "same"))))
+    assert [r["loss"] for r in same] == [r["loss"] for r in plain]
+    mixed = _mixed(
+        tmp_path,
+        steps=4,
+        save_every=2,
+        context_chunks=[2, 4],
+        chunk_lengths=[8, 16],
+        output_dir=str(tmp_path / "cut"),
     )
     log = read_log(train(mixed))
     assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]

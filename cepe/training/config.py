@@ -189,6 +189,12 @@ class TrainConfig:
             K·L + n tokens, so encoder and decoder stay contiguous and the answers of recall and qa
             examples come at the positions of a window of that length: one stage trains the positions
             of several decoder windows. None = always ``n_decoder``.
+        context_chunks: CEPE stage: per micro-batch, an encoder chunk count drawn (seeded by step and
+            micro-batch) from this list, each at most ``n_chunks``; the example is built from the window's
+            last k·L + n_decoder tokens, so a micro-batch with fewer chunks costs less (unlike
+            ``context_drop``, which masks chunks it still encodes) and one stage trains several context
+            lengths at their own cost. With ``chunk_lengths``, each k·L must be a multiple of every chunk
+            length. None = always ``n_chunks``.
         context_drop: CEPE stage: the probability that a continuation example (``lm``) keeps only its last
             ``k ~ U(1, K)`` encoder chunks, so that short contexts are trained as well as the full K·L.
         tasks: CEPE stage only: a mixed stage, ``{"lm": a, "copy": b, "recall": c, "qa": d, "icl": e}``,
@@ -329,6 +335,7 @@ class TrainConfig:
     context_drop: float = 0.0
     chunk_lengths: list[int] | None = None
     decoder_lengths: list[int] | None = None
+    context_chunks: list[int] | None = None
     tasks: dict[str, float] | None = None
     copy_shuffle: float = 0.0
     copy_drop: float = 0.0
@@ -446,6 +453,8 @@ class TrainConfig:
             )
         if self.decoder_lengths is not None:
             self._validate_decoder_lengths()
+        if self.context_chunks is not None:
+            self._validate_context_chunks()
         if self.warmup_decoder_tokens is not None:
             _check(
                 1 < self.warmup_decoder_tokens <= self.warmup_tokens,
@@ -649,9 +658,44 @@ class TrainConfig:
                 except ValueError as e:
                     raise ValueError(f"decoder_lengths: with {n} decoder tokens, {e}") from None
 
+    def _validate_context_chunks(self) -> None:
+        counts = self.context_chunks
+        _check(
+            self.stage == "cepe",
+            f"context_chunks varies the encoder of the cepe stage, not {self.stage}; remove it",
+        )
+        _check(
+            isinstance(counts, list)
+            and len(counts) > 0
+            and all(isinstance(k, int) and 1 <= k <= self.n_chunks for k in counts),
+            f"context_chunks must be a non-empty list of integers from 1 to n_chunks = {self.n_chunks}, "
+            f"got {counts!r}",
+        )
+        for k in sorted(set(counts)):
+            for n in sorted(set(self.decoder_lengths or [self.n_decoder])):  # drawn independently
+                if k != self.n_chunks:
+                    try:
+                        self.at_layout(n_decoder=n, n_chunks=k)
+                    except ValueError as e:
+                        raise ValueError(
+                            f"context_chunks: with {k} chunks and {n} decoder tokens, {e}"
+                        ) from None
+
     def at_decoder_length(self, n: int) -> TrainConfig:
         """This config with ``n`` decoder tokens (one of ``decoder_lengths``): the layout of its examples."""
-        return dataclasses.replace(self, n_decoder=n, decoder_lengths=None)
+        return self.at_layout(n_decoder=n)
+
+    def at_layout(self, n_decoder: int | None = None, n_chunks: int | None = None) -> TrainConfig:
+        """This config with ``n_decoder`` decoder tokens (one of ``decoder_lengths``) and ``n_chunks``
+        encoder chunks (one of ``context_chunks``), None keeping its own: the layout of one micro-batch's
+        examples, validated as a config of its own (a layout it cannot build raises ValueError)."""
+        return dataclasses.replace(
+            self,
+            n_decoder=self.n_decoder if n_decoder is None else n_decoder,
+            n_chunks=self.n_chunks if n_chunks is None else n_chunks,
+            decoder_lengths=None,
+            context_chunks=None,
+        )
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -729,6 +773,7 @@ class TrainConfig:
             "icl_scored",
             "chunk_lengths",
             "decoder_lengths",
+            "context_chunks",
             "recall_foreign",
             "recall_drop",
             "recall_detour",

@@ -19,7 +19,7 @@ from .config import TASK_KINDS, TrainConfig
 
 _MLM_TAG, _NOISE_TAG, _SYNTH_TAG, _SHUFFLE_TAG, _SPAN_TAG, _TASK_TAG = 11, 13, 17, 19, 23, 29
 _DROP_TAG, _ICL_TAG, _REGROUP_TAG, _FOREIGN_TAG, _RECALL_DROP_TAG, _DETOUR_TAG = 31, 37, 41, 43, 47, 53
-_COPY_DROP_TAG, _ANYWHERE_TAG, _DECODER_LENGTH_TAG = 59, 61, 67
+_COPY_DROP_TAG, _ANYWHERE_TAG, _DECODER_LENGTH_TAG, _CONTEXT_CHUNKS_TAG = 59, 61, 67, 71
 FOREIGN_OFFSET = 10_000_019
 """A ``recall_foreign`` example ``i`` takes its planted text from window ``i + FOREIGN_OFFSET`` of the source."""
 
@@ -449,13 +449,33 @@ def step_decoder_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
     return int(cfg.decoder_lengths[int(torch.randint(len(cfg.decoder_lengths), (1,), generator=g))])
 
 
+def step_context_chunks(cfg: TrainConfig, step: int, micro: int) -> int | None:
+    """The encoder chunk count of micro-batch ``micro`` of optimizer step ``step`` (``cfg.context_chunks``,
+    seeded by both, so a resumed run builds what the uninterrupted one did); None without it."""
+    if not cfg.context_chunks:
+        return None
+    g = example_generator(cfg.data.seed, _CONTEXT_CHUNKS_TAG, step * 1_000_003 + micro)
+    return int(cfg.context_chunks[int(torch.randint(len(cfg.context_chunks), (1,), generator=g))])
+
+
 def at_decoder_length(cfg: TrainConfig, window: Any, n: int | None) -> tuple[TrainConfig, Any]:
-    """``(config, window)`` of an example with ``n`` decoder tokens (``decoder_lengths``): the config's
-    layout at ``n`` and the window's last K·L + n tokens (``(T,)`` → ``(K·L + n,)``), so that encoder and
-    decoder stay contiguous. ``n`` None or ``cfg.n_decoder``: both as they are."""
-    if n is None or n == cfg.n_decoder:
+    """``(config, window)`` of an example with ``n`` decoder tokens (``decoder_lengths``): :func:`at_layout`
+    with the config's own chunk count."""
+    return at_layout(cfg, window, n_decoder=n)
+
+
+def at_layout(
+    cfg: TrainConfig, window: Any, n_decoder: int | None = None, n_chunks: int | None = None
+) -> tuple[TrainConfig, Any]:
+    """``(config, window)`` of an example with ``n_decoder`` decoder tokens (``decoder_lengths``) and
+    ``n_chunks`` encoder chunks (``context_chunks``): the config's layout at both and the window's last
+    k·L + n tokens (``(T,)`` → ``(k·L + n,)``), so that encoder and decoder stay contiguous. Each None or
+    the config's own: kept; both kept: config and window as they are."""
+    n = cfg.n_decoder if n_decoder is None else n_decoder
+    k = cfg.n_chunks if n_chunks is None else n_chunks
+    if n == cfg.n_decoder and k == cfg.n_chunks:
         return cfg, window
-    return cfg.at_decoder_length(n), torch.as_tensor(window)[-(cfg.n_chunks * cfg.chunk_length + n) :]
+    return cfg.at_layout(n_decoder=n, n_chunks=k), torch.as_tensor(window)[-(k * cfg.chunk_length + n) :]
 
 
 def regroup_chunks(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:

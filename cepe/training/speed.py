@@ -374,6 +374,8 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         n, k, chunk = cfg.n_decoder, cfg.n_chunks, cfg.chunk_length
         if getattr(cfg, "decoder_lengths", None):  # the expected length of a micro-batch's decoder
             n = round(sum(cfg.decoder_lengths) / len(cfg.decoder_lengths))
+        if getattr(cfg, "context_chunks", None):  # the expected chunk count of a micro-batch's encoder
+            k = round(sum(cfg.context_chunks) / len(cfg.context_chunks))
     s = k * chunk
     layers = list(model.cross_layers)
     hq, hkv = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim

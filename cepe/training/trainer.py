@@ -34,13 +34,14 @@ from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkp
 from .config import TrainConfig
 from .data import (
     FOREIGN_OFFSET,
-    at_decoder_length,
+    at_layout,
     build_example,
     collate,
     example_indices,
     needs_foreign,
     regroup_chunks,
     step_chunk_length,
+    step_context_chunks,
     step_decoder_length,
     window_source,
 )
@@ -555,10 +556,11 @@ def example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[..., dict[str,
                 f"reads {need} (steps × batch_size); rerun `cepe teacher` with this config"
             )
 
-    def make(i: int, n_decoder: int | None = None) -> dict[str, torch.Tensor]:
-        """Example ``i``; with ``n_decoder`` (``decoder_lengths``), at that decoder length."""
+    def make(i: int, n_decoder: int | None = None, n_chunks: int | None = None) -> dict[str, torch.Tensor]:
+        """Example ``i``; with ``n_decoder`` (``decoder_lengths``) and ``n_chunks`` (``context_chunks``),
+        at that decoder length and chunk count."""
         foreign = source[i + FOREIGN_OFFSET] if needs_foreign(cfg, i) else None
-        c, window = at_decoder_length(cfg, source[i], n_decoder)
+        c, window = at_layout(cfg, source[i], n_decoder, n_chunks)
         ex = build_example(c, window, i, mask_id, foreign=foreign)
         if teacher is not None:
             ex["teacher_probs"], ex["teacher_indices"] = teacher.get(i)
@@ -662,8 +664,8 @@ def _step(run: _Run, step: int) -> _StepResult:
     tokens = 0
     for micro in range(run.accum):
         idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, run.rank, run.world)
-        n_decoder = step_decoder_length(cfg, step, micro)
-        batch = {k: v.to(acc.device) for k, v in collate([run.make(i, n_decoder) for i in idx]).items()}
+        layout = step_decoder_length(cfg, step, micro), step_context_chunks(cfg, step, micro)
+        batch = {k: v.to(acc.device) for k, v in collate([run.make(i, *layout) for i in idx]).items()}
         batch.pop("index")
         length = step_chunk_length(cfg, step, micro)
         if length is not None:
