@@ -304,6 +304,31 @@ def _mixed(tmp_path, **over):
     return load_config(d)
 
 
+def _assert_draws(tmp_path, cfg, draw, values: set) -> None:
+    """``draw(cfg, step, micro)`` gives every one of ``values`` over 40 micro-batches, the same each time
+    (a function of the step and the micro-batch), None for the plain config; the list is in the fingerprint."""
+    drawn = [draw(cfg, s, m) for s in range(20) for m in range(2)]
+    assert set(drawn) == values and drawn == [draw(cfg, s, m) for s in range(20) for m in range(2)]
+    assert draw(_mixed(tmp_path), 0, 0) is None
+    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+
+
+def _assert_drawn_per_micro_batch(tmp_path, same: dict, drawn: dict) -> None:
+    """A list drawn per micro-batch (``chunk_lengths``, ``decoder_lengths``, ``context_chunks``): holding
+    only the config's own value it trains what the plain config trains (the same losses); with several
+    values it trains something else and resumes exactly."""
+    import shutil
+
+    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
+    one = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "same"), **same)))
+    assert [r["loss"] for r in one] == [r["loss"] for r in plain]
+    mixed = _mixed(tmp_path, steps=4, save_every=2, output_dir=str(tmp_path / "cut"), **drawn)
+    log = read_log(train(mixed))
+    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
+    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
+
+
 def test_mixed_stage_layouts(tmp_path):
     """Every kind has the CEPE shapes; copied tokens' attention targets point at their encoder copies;
     recall keeps the decoder's own text before the cue and does not score the cue; lm has chunk noise
@@ -1109,12 +1134,7 @@ def test_chunk_lengths_regroup_the_encoder_per_micro_batch(tmp_path):
         assert out["align_targets"] is batch["align_targets"] and out["input_ids"] is batch["input_ids"]
     with pytest.raises(ValueError, match="do not tile"):
         regroup_chunks(batch, 5)
-    drawn = [step_chunk_length(cfg, s, m) for s in range(20) for m in range(2)]
-    assert set(drawn) == {4, 16} and drawn == [
-        step_chunk_length(cfg, s, m) for s in range(20) for m in range(2)
-    ]
-    assert step_chunk_length(_mixed(tmp_path), 0, 0) is None
-    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+    _assert_draws(tmp_path, cfg, step_chunk_length, {4, 16})
     for over, msg in (
         ({"chunk_lengths": [4, 12]}, "divisors of n_chunks"),
         ({"chunk_lengths": []}, "divisors"),
@@ -1124,16 +1144,7 @@ def test_chunk_lengths_regroup_the_encoder_per_micro_batch(tmp_path):
     with pytest.raises(ValueError, match="chunk_lengths regroups"):
         _cfg(tmp_path, chunk_lengths=[4])
 
-    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
-    same = read_log(train(_mixed(tmp_path, steps=3, chunk_lengths=[8], output_dir=str(tmp_path / "same"))))
-    assert [r["loss"] for r in same] == [r["loss"] for r in plain]
-    mixed = _mixed(tmp_path, steps=4, save_every=2, chunk_lengths=[4, 16], output_dir=str(tmp_path / "cut"))
-    log = read_log(train(mixed))
-    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
-    import shutil
-
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
-    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
+    _assert_drawn_per_micro_batch(tmp_path, {"chunk_lengths": [8]}, {"chunk_lengths": [4, 16]})
 
 
 def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_path):
@@ -1168,12 +1179,7 @@ def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_pa
     for n in (32, None):  # the full length: config and window as they are
         c, w = at_decoder_length(cfg, w0, n)
         assert c is cfg and w is w0
-    drawn = [step_decoder_length(cfg, s, m) for s in range(20) for m in range(2)]
-    assert set(drawn) == {20, 32} and drawn == [
-        step_decoder_length(cfg, s, m) for s in range(20) for m in range(2)
-    ]
-    assert step_decoder_length(_mixed(tmp_path), 0, 0) is None
-    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+    _assert_draws(tmp_path, cfg, step_decoder_length, {20, 32})
     assert step_flops(cfg, build_model(cfg))["decoder_tokens"] == cfg.batch_size * 26  # the mean length
     for over, msg in (
         ({"decoder_lengths": [20, 40]}, "from 1 to n_decoder = 32"),
@@ -1183,18 +1189,7 @@ def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_pa
         with pytest.raises(ValueError, match=msg):
             _mixed(tmp_path, **over)
 
-    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
-    same = read_log(train(_mixed(tmp_path, steps=3, decoder_lengths=[32], output_dir=str(tmp_path / "same"))))
-    assert [r["loss"] for r in same] == [r["loss"] for r in plain]
-    mixed = _mixed(
-        tmp_path, steps=4, save_every=2, decoder_lengths=[20, 32], output_dir=str(tmp_path / "cut")
-    )
-    log = read_log(train(mixed))
-    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
-    import shutil
-
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
-    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
+    _assert_drawn_per_micro_batch(tmp_path, {"decoder_lengths": [32]}, {"decoder_lengths": [20, 32]})
 
 
 def test_context_chunks_build_each_micro_batch_with_its_own_chunk_count(tmp_path):
@@ -1232,12 +1227,7 @@ def test_context_chunks_build_each_micro_batch_with_its_own_chunk_count(tmp_path
     for k in (4, None):  # the full count: config and window as they are
         c, w = at_layout(cfg, w0, None, k)
         assert c is cfg and w is w0
-    drawn = [step_context_chunks(cfg, s, m) for s in range(20) for m in range(2)]
-    assert set(drawn) == {2, 4} and drawn == [
-        step_context_chunks(cfg, s, m) for s in range(20) for m in range(2)
-    ]
-    assert step_context_chunks(_mixed(tmp_path), 0, 0) is None
-    assert _mixed(tmp_path).fingerprint() != cfg.fingerprint()
+    _assert_draws(tmp_path, cfg, step_context_chunks, {2, 4})
     flops = step_flops(cfg, build_model(cfg))
     assert flops["encoder_tokens"] == cfg.batch_size * 3 * length  # the mean count
     assert flops["total"] < step_flops(_mixed(tmp_path), build_model(cfg))["total"]
@@ -1254,23 +1244,9 @@ def test_context_chunks_build_each_micro_batch_with_its_own_chunk_count(tmp_path
         with pytest.raises(ValueError, match=msg):
             _mixed(tmp_path, **over)
 
-    plain = read_log(train(_mixed(tmp_path, steps=3, output_dir=str(tmp_path / "plain"))))
-    same = read_log(train(_mixed(tmp_path, steps=3, context_chunks=[4], output_dir=str(tmp_path / "same"))))
-    assert [r["loss"] for r in same] == [r["loss"] for r in plain]
-    mixed = _mixed(
-        tmp_path,
-        steps=4,
-        save_every=2,
-        context_chunks=[2, 4],
-        chunk_lengths=[8, 16],
-        output_dir=str(tmp_path / "cut"),
+    _assert_drawn_per_micro_batch(
+        tmp_path, {"context_chunks": [4]}, {"context_chunks": [2, 4], "chunk_lengths": [8, 16]}
     )
-    log = read_log(train(mixed))
-    assert [r["loss"] for r in log[:3]] != [r["loss"] for r in plain]
-    import shutil
-
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")  # as if stopped after step 2
-    assert [r["loss"] for r in read_log(train(mixed, resume=True))] == [r["loss"] for r in log]
 
 
 def test_stop_after_ends_the_process_and_resumes_exactly(tmp_path):

@@ -639,47 +639,48 @@ class TrainConfig:
         )
 
     def _validate_decoder_lengths(self) -> None:
-        lengths = self.decoder_lengths
-        _check(
-            self.stage == "cepe",
-            f"decoder_lengths varies the decoder of the cepe stage, not {self.stage}; remove it",
+        lengths = self._check_drawn_list("decoder_lengths", "n_decoder", "decoder")
+        self._check_layouts(
+            "decoder_lengths",
+            [(f"{n} decoder tokens", {"n_decoder": n}) for n in sorted(set(lengths)) if n != self.n_decoder],
         )
-        _check(
-            isinstance(lengths, list)
-            and len(lengths) > 0
-            and all(isinstance(n, int) and 1 <= n <= self.n_decoder for n in lengths),
-            f"decoder_lengths must be a non-empty list of integers from 1 to n_decoder = {self.n_decoder}, "
-            f"got {lengths!r}",
-        )
-        for n in sorted(set(lengths)):
-            if n != self.n_decoder:
-                try:
-                    self.at_decoder_length(n)
-                except ValueError as e:
-                    raise ValueError(f"decoder_lengths: with {n} decoder tokens, {e}") from None
 
     def _validate_context_chunks(self) -> None:
-        counts = self.context_chunks
+        counts = self._check_drawn_list("context_chunks", "n_chunks", "encoder")
+        decoder = sorted(set(self.decoder_lengths or [self.n_decoder]))  # drawn independently
+        self._check_layouts(
+            "context_chunks",
+            [
+                (f"{k} chunks and {n} decoder tokens", {"n_decoder": n, "n_chunks": k})
+                for k in sorted(set(counts))
+                if k != self.n_chunks
+                for n in decoder
+            ],
+        )
+
+    def _check_drawn_list(self, name: str, limit_name: str, varies: str) -> list[int]:
+        """A list drawn from per micro-batch (``decoder_lengths``, ``context_chunks``): the cepe stage only,
+        integers from 1 to the field ``limit_name`` it varies. Returns the list."""
+        values, limit = getattr(self, name), getattr(self, limit_name)
         _check(
-            self.stage == "cepe",
-            f"context_chunks varies the encoder of the cepe stage, not {self.stage}; remove it",
+            self.stage == "cepe", f"{name} varies the {varies} of the cepe stage, not {self.stage}; remove it"
         )
         _check(
-            isinstance(counts, list)
-            and len(counts) > 0
-            and all(isinstance(k, int) and 1 <= k <= self.n_chunks for k in counts),
-            f"context_chunks must be a non-empty list of integers from 1 to n_chunks = {self.n_chunks}, "
-            f"got {counts!r}",
+            isinstance(values, list)
+            and len(values) > 0
+            and all(isinstance(v, int) and 1 <= v <= limit for v in values),
+            f"{name} must be a non-empty list of integers from 1 to {limit_name} = {limit}, got {values!r}",
         )
-        for k in sorted(set(counts)):
-            for n in sorted(set(self.decoder_lengths or [self.n_decoder])):  # drawn independently
-                if k != self.n_chunks:
-                    try:
-                        self.at_layout(n_decoder=n, n_chunks=k)
-                    except ValueError as e:
-                        raise ValueError(
-                            f"context_chunks: with {k} chunks and {n} decoder tokens, {e}"
-                        ) from None
+        return values
+
+    def _check_layouts(self, name: str, layouts: list[tuple[str, dict[str, int]]]) -> None:
+        """Every ``(label, at_layout arguments)`` a drawn list can give builds a valid config; else the
+        error of the first that does not, prefixed with the list's name and the label."""
+        for label, kwargs in layouts:
+            try:
+                self.at_layout(**kwargs)
+            except ValueError as e:
+                raise ValueError(f"{name}: with {label}, {e}") from None
 
     def at_decoder_length(self, n: int) -> TrainConfig:
         """This config with ``n`` decoder tokens (one of ``decoder_lengths``): the layout of its examples."""

@@ -431,31 +431,31 @@ def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
 
 
-def step_chunk_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
-    """The chunk length of micro-batch ``micro`` of optimizer step ``step`` (``cfg.chunk_lengths``, seeded
-    by both, so a resumed run regroups as the uninterrupted one did); None without ``chunk_lengths``."""
-    if not cfg.chunk_lengths:
+def _step_draw(values: list[int] | None, seed: int, tag: int, step: int, micro: int) -> int | None:
+    """One of ``values`` for micro-batch ``micro`` of optimizer step ``step``, seeded by both (a resumed
+    run draws what the uninterrupted one did); None without ``values``."""
+    if not values:
         return None
-    g = example_generator(cfg.data.seed, _REGROUP_TAG, step * 1_000_003 + micro)
-    return int(cfg.chunk_lengths[int(torch.randint(len(cfg.chunk_lengths), (1,), generator=g))])
+    g = example_generator(seed, tag, step * 1_000_003 + micro)
+    return int(values[int(torch.randint(len(values), (1,), generator=g))])
+
+
+def step_chunk_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
+    """The chunk length of micro-batch ``micro`` of optimizer step ``step`` (``cfg.chunk_lengths``); None
+    without it."""
+    return _step_draw(cfg.chunk_lengths, cfg.data.seed, _REGROUP_TAG, step, micro)
 
 
 def step_decoder_length(cfg: TrainConfig, step: int, micro: int) -> int | None:
-    """The decoder length of micro-batch ``micro`` of optimizer step ``step`` (``cfg.decoder_lengths``,
-    seeded by both, so a resumed run builds what the uninterrupted one did); None without it."""
-    if not cfg.decoder_lengths:
-        return None
-    g = example_generator(cfg.data.seed, _DECODER_LENGTH_TAG, step * 1_000_003 + micro)
-    return int(cfg.decoder_lengths[int(torch.randint(len(cfg.decoder_lengths), (1,), generator=g))])
+    """The decoder length of micro-batch ``micro`` of optimizer step ``step`` (``cfg.decoder_lengths``);
+    None without it."""
+    return _step_draw(cfg.decoder_lengths, cfg.data.seed, _DECODER_LENGTH_TAG, step, micro)
 
 
 def step_context_chunks(cfg: TrainConfig, step: int, micro: int) -> int | None:
-    """The encoder chunk count of micro-batch ``micro`` of optimizer step ``step`` (``cfg.context_chunks``,
-    seeded by both, so a resumed run builds what the uninterrupted one did); None without it."""
-    if not cfg.context_chunks:
-        return None
-    g = example_generator(cfg.data.seed, _CONTEXT_CHUNKS_TAG, step * 1_000_003 + micro)
-    return int(cfg.context_chunks[int(torch.randint(len(cfg.context_chunks), (1,), generator=g))])
+    """The encoder chunk count of micro-batch ``micro`` of optimizer step ``step`` (``cfg.context_chunks``);
+    None without it."""
+    return _step_draw(cfg.context_chunks, cfg.data.seed, _CONTEXT_CHUNKS_TAG, step, micro)
 
 
 def at_decoder_length(cfg: TrainConfig, window: Any, n: int | None) -> tuple[TrainConfig, Any]:
