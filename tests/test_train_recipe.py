@@ -1151,14 +1151,14 @@ def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_pa
     """decoder_lengths: a micro-batch's examples are built at a decoder length drawn per micro-batch
     (seeded by the step: exact resume) from the window's last K·L + n tokens, so encoder and decoder stay
     contiguous and recall ends at the shorter decoder's end; a list holding only n_decoder changes nothing."""
-    from cepe.training.data import at_decoder_length, step_decoder_length
+    from cepe.training.data import at_layout, step_decoder_length, step_layout
     from cepe.training.speed import step_flops
 
     cfg = _mixed(tmp_path, tasks={"lm": 1, "recall": 1}, chunk_noise=0.0, decoder_lengths=[20, 32])
     src = window_source(cfg, 128)
     kl = cfg.n_chunks * cfg.chunk_length
     for i in range(12):
-        c, w = at_decoder_length(cfg, src[i], 20)
+        c, w = at_layout(cfg, src[i], 20)
         assert c.n_decoder == 20 and c.decoder_lengths is None and w.shape == (kl + 20,)
         ex = build_example(c, w, i, None)
         assert ex["input_ids"].shape == (20,) and ex["encoder_input_ids"].shape == (
@@ -1177,9 +1177,10 @@ def test_decoder_lengths_build_each_micro_batch_at_its_own_decoder_length(tmp_pa
             assert ex["input_ids"][-1] == ex["encoder_input_ids"].flatten()[al[-2]]
     w0 = src[0]
     for n in (32, None):  # the full length: config and window as they are
-        c, w = at_decoder_length(cfg, w0, n)
+        c, w = at_layout(cfg, w0, n)
         assert c is cfg and w is w0
     _assert_draws(tmp_path, cfg, step_decoder_length, {20, 32})
+    assert {step_layout(cfg, s, 0) for s in range(20)} == {(20, None), (32, None)}
     assert step_flops(cfg, build_model(cfg))["decoder_tokens"] == cfg.batch_size * 26  # the mean length
     for over, msg in (
         ({"decoder_lengths": [20, 40]}, "from 1 to n_decoder = 32"),
@@ -1197,7 +1198,7 @@ def test_context_chunks_build_each_micro_batch_with_its_own_chunk_count(tmp_path
     micro-batch (seeded by the step: exact resume) from the window's last k·L + n tokens, so encoder and
     decoder stay contiguous and a shorter context is encoded at its own cost; drawn independently of
     decoder_lengths, regrouped by chunk_lengths; a list holding only n_chunks changes nothing."""
-    from cepe.training.data import at_layout, step_context_chunks
+    from cepe.training.data import at_layout, step_context_chunks, step_layout
     from cepe.training.speed import step_flops
 
     cfg = _mixed(tmp_path, tasks={"lm": 1, "recall": 1}, chunk_noise=0.0, context_chunks=[2, 4])
@@ -1228,6 +1229,7 @@ def test_context_chunks_build_each_micro_batch_with_its_own_chunk_count(tmp_path
         c, w = at_layout(cfg, w0, None, k)
         assert c is cfg and w is w0
     _assert_draws(tmp_path, cfg, step_context_chunks, {2, 4})
+    assert {step_layout(cfg, s, 0) for s in range(20)} == {(None, 2), (None, 4)}
     flops = step_flops(cfg, build_model(cfg))
     assert flops["encoder_tokens"] == cfg.batch_size * 3 * length  # the mean count
     assert flops["total"] < step_flops(_mixed(tmp_path), build_model(cfg))["total"]

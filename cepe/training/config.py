@@ -682,10 +682,6 @@ class TrainConfig:
             except ValueError as e:
                 raise ValueError(f"{name}: with {label}, {e}") from None
 
-    def at_decoder_length(self, n: int) -> TrainConfig:
-        """This config with ``n`` decoder tokens (one of ``decoder_lengths``): the layout of its examples."""
-        return self.at_layout(n_decoder=n)
-
     def at_layout(self, n_decoder: int | None = None, n_chunks: int | None = None) -> TrainConfig:
         """This config with ``n_decoder`` decoder tokens (one of ``decoder_lengths``) and ``n_chunks``
         encoder chunks (one of ``context_chunks``), None keeping its own: the layout of one micro-batch's

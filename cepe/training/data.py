@@ -458,10 +458,10 @@ def step_context_chunks(cfg: TrainConfig, step: int, micro: int) -> int | None:
     return _step_draw(cfg.context_chunks, cfg.data.seed, _CONTEXT_CHUNKS_TAG, step, micro)
 
 
-def at_decoder_length(cfg: TrainConfig, window: Any, n: int | None) -> tuple[TrainConfig, Any]:
-    """``(config, window)`` of an example with ``n`` decoder tokens (``decoder_lengths``): :func:`at_layout`
-    with the config's own chunk count."""
-    return at_layout(cfg, window, n_decoder=n)
+def step_layout(cfg: TrainConfig, step: int, micro: int) -> tuple[int | None, int | None]:
+    """``(n_decoder, n_chunks)`` of micro-batch ``micro`` of optimizer step ``step``: its drawn decoder length
+    and encoder chunk count (None: the config's own), the arguments of :func:`at_layout`."""
+    return step_decoder_length(cfg, step, micro), step_context_chunks(cfg, step, micro)
 
 
 def at_layout(

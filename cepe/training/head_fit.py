@@ -265,14 +265,12 @@ def step_batches(cfg: TrainConfig, make: Any, step: int) -> Iterator[dict[str, t
         example_indices,
         regroup_chunks,
         step_chunk_length,
-        step_context_chunks,
-        step_decoder_length,
+        step_layout,
     )
 
     for micro in range(cfg.batch_size // cfg.micro_batch_size):
         idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
-        layout = step_decoder_length(cfg, step, micro), step_context_chunks(cfg, step, micro)
-        batch = collate([make(i, *layout) for i in idx])
+        batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
         length = step_chunk_length(cfg, step, micro)
         yield batch if length is None else regroup_chunks(batch, length)
 

@@ -41,8 +41,7 @@ from .data import (
     needs_foreign,
     regroup_chunks,
     step_chunk_length,
-    step_context_chunks,
-    step_decoder_length,
+    step_layout,
     window_source,
 )
 from .models import StageModule, build_model, save_encoder, set_train_mode, trainable_parameters
@@ -664,7 +663,7 @@ def _step(run: _Run, step: int) -> _StepResult:
     tokens = 0
     for micro in range(run.accum):
         idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, run.rank, run.world)
-        layout = step_decoder_length(cfg, step, micro), step_context_chunks(cfg, step, micro)
+        layout = step_layout(cfg, step, micro)
         batch = {k: v.to(acc.device) for k, v in collate([run.make(i, *layout) for i in idx]).items()}
         batch.pop("index")
         length = step_chunk_length(cfg, step, micro)
