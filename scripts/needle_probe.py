@@ -9,7 +9,8 @@ prompt: for example the needle's words up to the one that must be copied). It pr
 - ``needle``: mass on the needle's tokens (mean over heads), the layer with the most, and the best head's;
 - ``null``: mass on the null key (adapters with ``null_key``);
 - ``uniform``: what a head spreading evenly over the encoder tokens puts on the needle;
-- ``next``: the decoder's five most likely next tokens there (where the answer is won or lost).
+- ``next``: the model's five most likely next tokens there (where the answer is won or lost; with an
+  output mixture, the mixture's), and ``alone``: the decoder alone's over the same window.
 
 A reader that finds the needle keeps its mass as the haystack grows; one whose needle mass halves from 2K
 to 4K (as the uniform share does) is diluted by the extra keys.
@@ -60,7 +61,8 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
 
     def hook(mod: CrossAttention, args, out):
         hidden, ctx = args[:2]
-        h = hidden[:, -1:]
+        ctx = ctx.base if ctx.base is not None else ctx  # an output mixture's doubled context: its own
+        h = hidden[:1, -1:]  # the row that reads the context (an output mixture adds the decoder alone's)
         q = mod.q_proj(mod.layernorm(h)).view(1, 1, mod.num_heads, mod.head_dim)
         if mod.q_norm is not None:
             q = mod.q_norm(q)
@@ -101,6 +103,13 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
                         logits_to_keep=1,
                     )
                 probs, ids = out.logits[0, -1].float().softmax(-1).topk(5)
+                with (
+                    torch.no_grad(),
+                    torch.autocast("cpu", torch.bfloat16, enabled=bf16),
+                    model.use_context(None),
+                ):
+                    alone = model.decoder(input_ids=torch.tensor([req.input_ids]), logits_to_keep=1).logits
+                a_probs, a_ids = alone[0, -1].float().softmax(-1).topk(5)
                 off = 1 if mods[0].null_key is not None else 0
                 idx = torch.tensor(pos) + off
                 layers = {}
@@ -121,6 +130,7 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
                         "needle_text": [tok.decode([t]) for t in flat[pos[0] : pos[-1] + 1]],
                         "uniform": len(pos) / int(emask.sum()),
                         "next": [[tok.decode([int(t)]), round(float(q), 4)] for t, q in zip(ids, probs)],
+                        "alone": [[tok.decode([int(t)]), round(float(q), 4)] for t, q in zip(a_ids, a_probs)],
                         "layers": layers,
                     }
                 )
@@ -147,10 +157,16 @@ def summary(rows: list[dict]) -> list[str]:
             f"| {sum(r['uniform'] for r in rs) / len(rs):.4f} | {sum(mean.values()) / len(mean):.4f} "
             f"| L{best}: {mean[best]:.3f} | {max(head.values()):.3f} | {null:.3f} |"
         )
-    lines += ["", "| total | depth | next token: top 5 (probability) |", "|---|---|---|"]
+    lines += [
+        "",
+        "| total | depth | next token: top 5 (probability) | the decoder alone's |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
-        top = ", ".join(f"{t!r} {q:.2f}" for t, q in r["next"])
-        lines.append(f"| {r['total']} | {r['depth']} | {top.replace('|', '/')} |")
+        top, alone = (
+            ", ".join(f"{t!r} {q:.2f}" for t, q in r[k]).replace("|", "/") for k in ("next", "alone")
+        )
+        lines.append(f"| {r['total']} | {r['depth']} | {top} | {alone} |")
     return lines
 
 
