@@ -17,15 +17,19 @@ def test_find_locates_the_needle_and_a_merged_first_token():
     assert find([5, 6, 7], [1, 2, 3]) == []
 
 
-@pytest.mark.parametrize("null_key", [False, True])
-def test_probe_reads_each_layer_softmax_over_the_encoder(null_key):
+@pytest.mark.parametrize("variant", ["plain", "null_key", "output_mix"])
+def test_probe_reads_each_layer_softmax_over_the_encoder(variant):
     from cepe.eval.tasks.needle import Config
     from cepe.tiny import tiny_model
 
     mod = _module()
     model, tok = tiny_model(chunk_length=32)
+    null_key = variant == "null_key"
     if null_key:
         model.enable_null_key()
+    if variant == "output_mix":  # two decoder rows per call, the context's own cache
+        model.enable_output_mix(match=4, hidden=False, length=True)
+        model.enable_output_copy(sure=True)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     docs = [
         {"text": " ".join(f"{words[(i * j) % 10].capitalize()} {words[j % 10]} {j}." for j in range(60))}
@@ -52,8 +56,13 @@ def test_probe_reads_each_layer_softmax_over_the_encoder(null_key):
             rounding = 5e-5 * len(v["by_token"])  # by_token is rounded to 4 decimals
             assert sum(v["by_token"]) == pytest.approx(v["best_head"], abs=rounding + 1e-6)
             assert (v["null"] > 0) == null_key
-        probs = [q for _, q in r["next"]]  # the decoder's top 5 next tokens, most likely first
-        assert len(probs) == 5 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-3
+        for key in ("next", "alone"):  # the model's top 5 next tokens and the decoder alone's
+            probs = [q for _, q in r[key]]
+            assert len(probs) == 5 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-3
+    if variant == "plain":  # the cross-attention's output projection zeroed: the model is the decoder alone
+        model.init_cross_attention("zero")
+        for r in mod.probe(model, tok, cfg, bf16=False, forced="The special magic"):
+            assert r["next"] == r["alone"]
     lines = mod.summary(rows)
     assert len(lines) == 2 + 2 + 3 + len(rows) and lines[2].startswith("| 400 |")
     assert lines[7].startswith(f"| {rows[0]['total']} | {rows[0]['depth']} | {rows[0]['next'][0][0]!r}")
