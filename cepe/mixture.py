@@ -64,13 +64,25 @@ def head_inputs(
     return names + [name for name, wanted in own if wanted]
 
 
+class MixHead(nn.Linear):
+    """``Linear(F, 1)`` whose product is taken in fp64 and rounded once to the input's dtype: how a
+    vectorised fp32 product groups its sum depends on the number of inputs (and the CPU), so an input added
+    with zero weight (:func:`widen_head`) could move an fp32 result in its last bits; in fp64 such a
+    difference stays far below one fp32 rounding step, and the head's function is the same with and
+    without the input. The parameters are an ``nn.Linear``'s (fp32; the same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.double()
+        return F.linear(x.double(), self.weight.double(), b).to(x.dtype)
+
+
 def mix_head(inputs: list[str], like: torch.Tensor) -> nn.Linear:
     """A mixing (or copy) head ``Linear(F, 1)`` over the ``F`` inputs named by :func:`head_inputs`
     (``2·D`` hidden states when ``hidden``, ``match`` = K suffix-match indicators, one more for the
     context's length with ``length``, K successor agreements with ``agree``, one more each for the copy
     head with ``prob`` and ``near``), all zero (λ = ½ everywhere until it trains), on ``like``'s device, in
     fp32."""
-    head = nn.Linear(len(inputs), 1, bias=True, device=like.device, dtype=torch.float32)
+    head = MixHead(len(inputs), 1, bias=True, device=like.device, dtype=torch.float32)
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()
@@ -83,7 +95,7 @@ def widen_head(old: nn.Linear, old_inputs: list[str], new_inputs: list[str]) -> 
     missing = sorted(set(old_inputs) - set(new_inputs))
     if missing or len(old_inputs) != old.in_features:
         raise ValueError(f"the new head must keep every input of the old one; it lacks {missing}")
-    new = nn.Linear(len(new_inputs), 1, bias=True, device=old.weight.device, dtype=old.weight.dtype)
+    new = MixHead(len(new_inputs), 1, bias=True, device=old.weight.device, dtype=old.weight.dtype)
     where = {name: i for i, name in enumerate(new_inputs)}
     cols = torch.tensor([where[name] for name in old_inputs], device=old.weight.device, dtype=torch.long)
     with torch.no_grad():
@@ -102,7 +114,9 @@ def mix_logit(
 ) -> torch.Tensor:
     """``a`` ``(...)`` in fp32 (λ = σ(a)) from the final hidden states ``(..., D)`` with and without the
     context, and the suffix-match inputs ``(..., K)`` (then the length input and the K agreements where
-    the head takes them: :func:`head_inputs`) (``hidden`` False: those inputs alone)."""
+    the head takes them: :func:`head_inputs`) (``hidden`` False: those inputs alone).
+
+    The heads are :class:`MixHead` (their product in fp64)."""
     parts = [h_ctx, h_dec] if hidden else []
     if match is not None:
         parts.append(match.to(h_ctx.dtype))

@@ -472,3 +472,26 @@ def test_incremental_calls_keep_the_agreement_inputs(mode):
 
 def test_beam_search_with_the_agreement_inputs():
     check_beam_scores(_with_agreement(hidden=True))
+
+
+def test_a_head_widened_with_zero_weights_computes_the_same_bits():
+    """Heads take their product in fp64 (MixHead): inputs added with zero weight (widen_head) leave the
+    fp32 output bit for bit, whatever the number of inputs does to a vectorised fp32 sum, and the output
+    is the plain fp32 linear map's up to its rounding."""
+    from cepe.mixture import MixHead, widen_head
+
+    g = torch.Generator().manual_seed(0)
+    for f in (5, 17, 40):
+        head = MixHead(f, 1)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(1, f, generator=g) * 3)
+            head.bias.fill_(0.7)
+        names = [f"x{i}" for i in range(f)]
+        x = torch.randn(64, f, generator=g) * 4
+        for extra in (1, 3, 9):
+            wide = widen_head(head, names, names + [f"y{i}" for i in range(extra)])
+            assert isinstance(wide, MixHead)
+            xw = torch.cat([x, torch.randn(64, extra, generator=g)], dim=-1)
+            assert torch.equal(wide(xw), head(x))
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+        assert head(x).dtype == torch.float32
