@@ -4,7 +4,8 @@
 # 1K / 2K (lm_val.yaml), the validation copy probe (copy_val.yaml), the news needle (needle_val4.yaml) and
 # planted-fact QA from held-out papers with 2 / 5 / 10 passages (qa_val.yaml).
 # Usage: bash scripts/eval_val.sh ADAPTER_DIR OUT_DIR   (pause any training run on the same cores)
-# ONLY="lm_val copy_val" runs a subset; results: OUT_DIR/CONFIG/{CONFIG.json,.md,.png}, logs OUT_DIR/CONFIG.log.
+# ONLY="lm_val copy_val" runs a subset (the other validation needles too: ONLY="needle_val2 needle_val3");
+# results: OUT_DIR/CONFIG/{CONFIG.json,.md,.png}, logs OUT_DIR/CONFIG.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
@@ -14,7 +15,7 @@ ADAPTER=$1; OUT=$2
 mkdir -p "$OUT"
 for name in ${ONLY:-fixedppl_val_short fixedppl_val lm_val copy_val needle_val4 qa_val}; do
   case $name in
-    fixedppl_val*) task=fixedppl ;; lm_val) task=lm ;; copy_val) task=copy ;; needle_val4) task=needle ;; qa_val) task=qa ;;
+    fixedppl_val*) task=fixedppl ;; lm_val) task=lm ;; copy_val) task=copy ;; needle_val*) task=needle ;; qa_val) task=qa ;;
     *) echo "unknown validation config: $name" >&2; exit 2 ;;
   esac
   cepe eval "$task" --model "$ADAPTER" --config "configs/eval/$name.yaml" --methods cepe --autocast auto \
