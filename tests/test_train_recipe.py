@@ -126,6 +126,7 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "qa_compound",
         "qa_line_break",
         "qa_decoys",
+        "qa_window_decoy",
         "icl_scored",
         "icl_arbitrary",
         "icl_align",
@@ -168,6 +169,8 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
     assert _cfg(tmp_path, qa_line_break=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, qa_decoys=0.0).fingerprint() == cfg.fingerprint()
     assert _cfg(tmp_path, qa_decoys=0.5).fingerprint() != cfg.fingerprint()
+    assert _cfg(tmp_path, qa_window_decoy=0.0).fingerprint() == cfg.fingerprint()
+    assert _cfg(tmp_path, qa_window_decoy=0.5).fingerprint() != cfg.fingerprint()
     assert _cfg(tmp_path, optim={"lr_by_name": {"gate": 1e-2}}).fingerprint() != cfg.fingerprint()
 
 
@@ -849,6 +852,40 @@ def test_qa_decoys_plant_the_answers_opening_more_than_once(tmp_path):
         assert torch.equal(align[pos], align[pos[0]] + torch.arange(len(pos)))  # one copy, in order
         assert len(pos) == len(answer)
     _off_at_zero_and_bounded(tmp_path, enc, dec, "decoys", "qa_decoys")
+
+
+def test_qa_window_decoy_ends_the_decoders_text_with_the_answers_opening(tmp_path):
+    """qa_window_decoy: the decoder's own text before the question ends with a line that opens with the
+    answer's first words and goes on otherwise; the answer, its labels and its attention targets are those
+    of the same draw without it; 0 draws nothing."""
+    import random
+
+    from cepe.training.synthetic_qa import ByteCodec, Fact, qa_example, window_decoy_line
+
+    fact = Fact(
+        "The access code for the mill in Fez is 4471.", "What is the access code for the mill in Fez?"
+    )
+    stream = list(b"The river ran past the mill. Nobody crossed it in winter, and the ferry was slow.")
+    for seed in range(5):
+        line = window_decoy_line(fact, random.Random(seed), stream, ByteCodec())
+        assert line is not None and line.startswith("\n\nThe ")
+        assert not fact.fact.startswith(line.strip().rstrip("."))
+    enc, dec = _byte_qa_inputs(8, 128, 200)
+    seen = 0
+    for seed in range(6):
+        new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, window_decoy=1.0)
+        answer = bytes(ids[labels != -100].tolist()).decode()
+        text = bytes(ids.tolist()).decode(errors="replace")
+        before_question = text[: text.rindex("\n\n")]
+        last = before_question[before_question.rindex("\n\n") + 2 :] if "\n\n" in before_question else ""
+        if last:
+            seen += 1
+            assert last.split()[0] == answer.split()[0] and not answer.startswith(last.rstrip("."))
+        pos = (align >= 0).nonzero().flatten()
+        assert len(pos) > 0 and torch.equal(new_enc.flatten()[align[pos]], ids[pos + 1])
+        assert len(ids) == len(dec) and (labels != -100).sum() == len(answer)
+    assert seen >= 4
+    _off_at_zero_and_bounded(tmp_path, enc, dec, "window_decoy", "qa_window_decoy")
 
 
 class _WordCodec:

@@ -248,6 +248,11 @@ class TrainConfig:
             says something else: the answer's opening then stands in the encoder more than once, and the
             question alone says which copy to read on from, as a needle's opening words stand all over a
             haystack.
+        qa_window_decoy: mixed stage: the probability that the decoder's own text before the question ends
+            with a line opening with the answer's first one or two words and going on with words of the
+            encoder's text: the window offers the answer's opening another continuation (as a haystack
+            sentence that opens as a needle does can stand last in the window), and the question alone
+            says to read on from the encoder's copy.
 
     CEPED:
         teacher_dir: where ``cepe teacher`` writes (and training reads) the top-k teacher distributions.
@@ -352,6 +357,7 @@ class TrainConfig:
     qa_compound: float = 0.0
     qa_line_break: float = 0.0
     qa_decoys: float = 0.0
+    qa_window_decoy: float = 0.0
     icl_scored: int = 0
     icl_arbitrary: float = 0.5
     icl_align: bool = False
@@ -621,6 +627,10 @@ class TrainConfig:
         _check(0.0 <= self.qa_line_break <= 1.0, f"qa_line_break must be in [0, 1], got {self.qa_line_break}")
         _check(0.0 <= self.qa_decoys <= 1.0, f"qa_decoys must be in [0, 1], got {self.qa_decoys}")
         _check(
+            0.0 <= self.qa_window_decoy <= 1.0,
+            f"qa_window_decoy must be in [0, 1], got {self.qa_window_decoy}",
+        )
+        _check(
             len(self.qa_span_tokens) == 2 and 1 <= int(self.qa_span_tokens[0]) <= int(self.qa_span_tokens[1]),
             f"qa_span_tokens must be [min, max] with 1 <= min <= max, got {self.qa_span_tokens}",
         )
@@ -766,6 +776,7 @@ class TrainConfig:
             "qa_compound",
             "qa_line_break",
             "qa_decoys",
+            "qa_window_decoy",
             "context_drop",
             "icl_scored",
             "chunk_lengths",

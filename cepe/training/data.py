@@ -343,6 +343,7 @@ def mixed_example(
             compound=cfg.qa_compound,
             line_break=cfg.qa_line_break,
             decoys=cfg.qa_decoys,
+            window_decoy=cfg.qa_window_decoy,
         )
     elif kind == "icl":
         import random

@@ -210,6 +210,24 @@ def decoy_fact(
     return None
 
 
+def window_decoy_line(
+    asked: Fact, r: random.Random, stream: list[int], tok: Any, span_tokens: tuple[int, int] = SPAN_TOKENS
+) -> str | None:
+    """``"\n\n"`` and a line that opens with ``asked``'s first one or two words and goes on with a few
+    words of ``stream`` (:func:`span_value`), not the fact itself: the last line of the decoder's own text,
+    where it offers the answer's opening another continuation. None where 8 draws found none."""
+    words = asked.fact.split()
+    for _ in range(8):
+        opening = " ".join(words[: r.randint(1, min(2, len(words)))])
+        value = span_value(stream, r, tok, span_tokens)
+        if value is None:
+            continue
+        line = f"{opening} {value}."
+        if not asked.fact.startswith(line.rstrip(".")) and line != asked.fact:
+            return "\n\n" + line
+    return None
+
+
 def span_value(
     stream: list[int], r: random.Random, tok: Any, tokens: tuple[int, int] = SPAN_TOKENS
 ) -> str | None:
@@ -335,6 +353,7 @@ def qa_example(
     compound: float = 0.0,
     line_break: float = 0.0,
     decoys: float = 0.0,
+    window_decoy: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plant facts in ``enc`` ``(K, L)`` and end ``dec`` ``(n,)`` with a question and its answer.
 
@@ -350,7 +369,11 @@ def qa_example(
     on the unbroken copy in the encoder. With ``decoys`` > 0, with that probability every fact but the
     asked one is a decoy (:func:`decoy_fact`): one to ``max_facts - 1`` facts that open with the asked
     fact's words, so that the answer's opening stands in the encoder more than once and the question
-    alone says which copy to read on from.
+    alone says which copy to read on from. With ``window_decoy`` > 0, with that probability the decoder's own
+    text before the question ends with a line that opens with the answer's first one or two words and goes
+    on with words of the encoder's text (:func:`window_decoy_line`): the decoder's window then offers a
+    continuation of the answer's opening, as a haystack sentence that opens as the needle does can stand
+    last in the window, and the question alone says to read on from the encoder's copy.
 
     Returns:
         ``(encoder_ids (K, L), decoder_ids (n,), labels (n,), align (n,))``: the answer alone is scored;
@@ -421,6 +444,11 @@ def qa_example(
             f"raise n_decoder (got {n})"
         )
     tail = dec[:room].tolist()
+    if window_decoy and r.random() < window_decoy:  # no draw at 0
+        line = window_decoy_line(facts[asked], r, stream, tok, span_tokens)
+        decoy_ids = tok.encode(line, add_special_tokens=False) if line is not None else []
+        if 0 < len(decoy_ids) < room:
+            tail = tail[: room - len(decoy_ids)] + decoy_ids
     ids = before + tail + question + after + answer + end
     scored = [t if s >= 0 else -100 for t, s in zip(answer, source)]  # a line break is not scored
     labels = [-100] * (n - len(answer) - len(end)) + scored + end
