@@ -15,7 +15,12 @@ prompt: for example the needle's words up to the one that must be copied). It pr
 A reader that finds the needle keeps its mass as the haystack grows; one whose needle mass halves from 2K
 to 4K (as the uniform share does) is diluted by the extra keys.
 
+With ``--find TEXT`` it runs no model: for each (total, depth) it says whether TEXT's tokens stand in
+the decoder's window or in the encoder, and how many distinct decoder windows each total has (the depth
+moves the needle, not always the window).
+
 Usage: python scripts/needle_probe.py ADAPTER [--config configs/eval/needle_val.yaml] [--json OUT]
+       python scripts/needle_probe.py ADAPTER --config FILE --find "TEXT"
 Writes only ``--json`` (and the table beside it as ``.md``); pause a training run on the same cores first.
 """
 
@@ -170,6 +175,39 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def load_adapter_tokenizer(adapter: str):
+    """The tokenizer of ``adapter``'s decoder (its ``cepe_config.json``), without loading any weights."""
+    from pathlib import Path
+
+    from cepe.assets import load_tokenizer
+
+    cfg = Path(adapter) / "cepe_config.json"
+    name = json.loads(cfg.read_text()).get("decoder_name_or_path") if cfg.is_file() else None
+    return load_tokenizer(name or adapter)
+
+
+def find_text(tok, cfg: Config, text: str) -> list[str]:
+    """Where ``text``'s tokens stand in each (total, depth) prompt: decoder window, encoder, or neither."""
+    setup = _Setup(tok)
+    sentences, needle, pre, suf = prompt_parts(setup, cfg)
+    key = setup.encode(text)
+
+    def holds(seq: list[int]) -> bool:
+        return any(seq[i : i + len(key)] == key for i in range(len(seq) - len(key) + 1))
+
+    lines = ["| total | depth | in the decoder window | in the encoder |", "|---|---|---|---|"]
+    windows: dict[int, set] = {}
+    for total in cfg.totals:
+        for depth in cfg.depths:
+            req = needle_request("cepe", build_haystack(sentences, needle, total, depth), pre, suf, cfg)
+            windows.setdefault(total, set()).add(tuple(req.input_ids))
+            enc = [t for part in req.context for t in part]
+            lines.append(f"| {total} | {depth} | {holds(list(req.input_ids))} | {holds(enc)} |")
+    lines.append("")
+    lines += [f"{total}: {len(w)} distinct decoder window(s) over the depths" for total, w in windows.items()]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("adapter")
@@ -180,9 +218,15 @@ def main() -> None:
     )
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     ap.add_argument("--json", help="write the per-layer rows here")
+    ap.add_argument(
+        "--find", help="no model: where this text stands in each prompt (decoder window, encoder)"
+    )
     a = ap.parse_args()
     _, settings, _ = load_eval_config("needle", a.config, a.set)
     cfg = task_config("needle", settings)
+    if a.find:
+        print("\n".join(find_text(load_adapter_tokenizer(a.adapter), cfg, a.find)))
+        return
     model, tok, _ = load_model(a.adapter)
     rows = probe(model, tok, cfg, not a.fp32, a.forced)
     lines = summary(rows)

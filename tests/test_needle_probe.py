@@ -66,3 +66,39 @@ def test_probe_reads_each_layer_softmax_over_the_encoder(variant):
     lines = mod.summary(rows)
     assert len(lines) == 2 + 2 + 3 + len(rows) and lines[2].startswith("| 400 |")
     assert lines[7].startswith(f"| {rows[0]['total']} | {rows[0]['depth']} | {rows[0]['next'][0][0]!r}")
+
+
+def test_find_text_says_where_a_line_stands_in_each_prompt():
+    """--find: the 400-token haystack's last sentence stands in its decoder window at every depth and in
+    the encoder of the 800-token prompts; the haystack's first sentence only ever in an encoder; one
+    decoder window per total while the needle stays out of it."""
+    from cepe.eval.tasks.needle import Config, build_haystack, prompt_parts
+    from cepe.tiny import tiny_model
+
+    mod = _module()
+    _, tok = tiny_model(chunk_length=32)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    text = " ".join(f"{words[j % 10].capitalize()} {words[(3 * j) % 7]} {j}." for j in range(400))
+    cfg = Config(
+        haystack={"documents": [{"text": text}]},
+        totals=[400, 800],
+        depths=[0.0, 0.5],
+        decoder_window=64,
+        chunk_length=32,
+        chat_template=False,
+    )
+    sentences, needle, _, _ = prompt_parts(mod._Setup(tok), cfg)
+    last = tok.decode(build_haystack(sentences, needle, 400, 0.0)[-1]).strip()
+    rows = mod.find_text(tok, cfg, last)
+    assert rows[2:6] == [
+        "| 400 | 0.0 | True | False |",
+        "| 400 | 0.5 | True | False |",
+        "| 800 | 0.0 | False | True |",
+        "| 800 | 0.5 | False | True |",
+    ]
+    first = mod.find_text(tok, cfg, tok.decode(sentences[0]).strip())
+    assert all(row.endswith("| False | True |") for row in first[2:6])
+    assert rows[-2:] == [
+        "400: 1 distinct decoder window(s) over the depths",
+        "800: 1 distinct decoder window(s) over the depths",
+    ]
