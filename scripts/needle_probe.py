@@ -180,9 +180,11 @@ def load_adapter_tokenizer(adapter: str):
     from pathlib import Path
 
     from cepe.assets import load_tokenizer
+    from cepe.config import CepeConfig
+    from cepe.modeling import ADAPTER_CONFIG
 
-    cfg = Path(adapter) / "cepe_config.json"
-    name = json.loads(cfg.read_text()).get("decoder_name_or_path") if cfg.is_file() else None
+    cfg = Path(adapter) / ADAPTER_CONFIG
+    name = CepeConfig.load(cfg).decoder_name_or_path if cfg.is_file() else None
     return load_tokenizer(name or adapter)
 
 

@@ -874,6 +874,11 @@ def test_qa_window_decoy_ends_the_decoders_text_with_the_answers_opening(tmp_pat
     seen = 0
     for seed in range(6):
         new_enc, ids, labels, align = qa_example(enc, dec, random.Random(seed), "d", 259, window_decoy=1.0)
+        plain = qa_example(enc, dec, random.Random(seed), "d", 259)  # the same draw without the line
+        for mine, theirs in zip((new_enc, labels, align), (plain[0], plain[2], plain[3])):
+            assert torch.equal(mine, theirs)
+        changed = (ids != plain[1]).nonzero().flatten()  # only the decoder's own text before the question
+        assert len(changed) == 0 or changed.max() < (labels != -100).nonzero().min()
         answer = bytes(ids[labels != -100].tolist()).decode()
         text = bytes(ids.tolist()).decode(errors="replace")
         before_question = text[: text.rindex("\n\n")]
