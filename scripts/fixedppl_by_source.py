@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cepe.fileio import write_text
+from cepe.tables import pipe_table
+
 
 def load(path: str | Path, method: str) -> tuple[list[dict[str, Any]], dict[int, list[float]]]:
     """The scored sequences of one result and, per context length, the method's mean NLL per sequence."""
@@ -78,16 +81,16 @@ def by_source(
 
 
 def markdown(rows: list[dict[str, Any]], names: list[str]) -> str:
-    head = ["context", "source", "n"] + names + [f"{n}: change, sequences better" for n in names[1:]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [str(r["context"]), r["source"], str(r["n"])] + [f"{p:.3f}" for p in r["ppl"]]
-        cells += [
+    head = ["context", "source", "n", *names] + [f"{n}: change, sequences better" for n in names[1:]]
+    body = [
+        [r["context"], r["source"], r["n"], *(f"{p:.3f}" for p in r["ppl"])]
+        + [
             f"{100 * (p / r['ppl'][0] - 1):+.1f} %, {w} of {r['n']}"
             for p, w in zip(r["ppl"][1:], r["beats_first"][1:])
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        for r in rows
+    ]
+    return "\n".join(pipe_table(head, body)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(f"- {n}: `{p}`" for n, p in zip(names, args.results)) + "\n\n" + markdown(rows, names)
     sys.stdout.write(table)
     if args.out:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(table)
-        tmp.replace(args.out)
+        write_text(args.out, table)
     return 0
 
 

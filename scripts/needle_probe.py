@@ -50,7 +50,7 @@ class _Setup:  # what prompt_parts reads of an EvalSetup
 def find(flat: list[int], needle: list[int]) -> list[int]:
     """Flat encoder positions of the needle's tokens (its longest run found whole, else nothing)."""
     n = len(needle)
-    for cut in range(0, n // 2):  # the first token may merge with the preceding text
+    for cut in range(max(1, n // 2)):  # the first token may merge with the preceding text
         sub = needle[cut:]
         for i in range(len(flat) - len(sub) + 1):
             if flat[i : i + len(sub)] == sub:
@@ -194,8 +194,8 @@ def find_text(tok, cfg: Config, text: str) -> list[str]:
     sentences, needle, pre, suf = prompt_parts(setup, cfg)
     key = setup.encode(text)
 
-    def holds(seq: list[int]) -> bool:
-        return any(seq[i : i + len(key)] == key for i in range(len(seq) - len(key) + 1))
+    def holds(seq: list[int]) -> bool:  # as the probe finds a needle: its first token may have merged
+        return bool(find(seq, key))
 
     lines = ["| total | depth | in the decoder window | in the encoder |", "|---|---|---|---|"]
     windows: dict[int, set] = {}

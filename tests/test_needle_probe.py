@@ -15,6 +15,7 @@ def test_find_locates_the_needle_and_a_merged_first_token():
     assert find([5, 1, 2, 3, 9], [1, 2, 3]) == [1, 2, 3]
     assert find([5, 7, 2, 3, 4, 9], [1, 2, 3, 4]) == [2, 3, 4]  # first token merged with the text before
     assert find([5, 6, 7], [1, 2, 3]) == []
+    assert find([5, 6, 7], [6]) == [1] and find([5, 6, 7], [8]) == []  # one token: found whole or not
 
 
 @pytest.mark.parametrize("variant", ["plain", "null_key", "output_mix"])

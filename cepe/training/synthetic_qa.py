@@ -223,7 +223,7 @@ def window_decoy_line(
         if value is None:
             continue
         line = f"{opening} {value}."
-        if not asked.fact.startswith(line.rstrip(".")) and line != asked.fact:
+        if not asked.fact.startswith(line.rstrip(".")):  # not the fact itself, nor its beginning
             return "\n\n" + line
     return None
 
