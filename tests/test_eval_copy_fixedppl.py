@@ -211,3 +211,22 @@ def test_fixed_sequences_per_document_do_not_overlap():
     assert len(capped) == 2
     with pytest.raises(ValueError, match="per_document"):
         FixedConfig(per_document=0)
+
+
+def test_cepe_chunks_each_piece_at_the_adapters_chunk_length():
+    """A task's ``chunk_length`` cuts the context into pieces; CEPE encodes each piece in chunks of its
+    adapter's ``chunk_length`` (a longer piece split further, a shorter one padded), unless the method's
+    own option overrides it."""
+    from types import SimpleNamespace
+
+    from cepe.eval.methods import CepeMethod, Request
+
+    model = torch.nn.Linear(2, 2)
+    model.cepe_config = SimpleNamespace(chunk_length=4)
+    req = Request(input_ids=[1, 2, 3], context=[list(range(1, 11)), [7, 8]], max_new_tokens=1)
+    ids, mask = CepeMethod(model, pad_token_id=0).encoder_inputs([req])
+    assert ids.shape == (1, 4, 4)  # 10 tokens -> 3 chunks of 4 (the last padded), 2 tokens -> 1 padded chunk
+    assert mask.sum(-1).tolist() == [[4, 4, 2, 2]]
+    assert ids[mask].tolist() == list(range(1, 11)) + [7, 8]
+    ids, mask = CepeMethod(model, chunk_length=16, pad_token_id=0).encoder_inputs([req])
+    assert ids.shape == (1, 2, 16) and mask.sum(-1).tolist() == [[10, 2]]

@@ -1,7 +1,7 @@
 """Copy probe: can the model read its context back?
 
-A passage of ``passage_tokens`` tokens from a held-out document goes to the encoder (chunks of
-``chunk_length``); the decoder reads the passage's first ``prefix_tokens`` tokens and then has to
+A passage of ``passage_tokens`` tokens from a held-out document goes to the encoder (pieces of
+``chunk_length``, each in chunks of the adapter's own); the decoder reads the passage's first ``prefix_tokens`` tokens and then has to
 continue it. The score is the perplexity of the passage after the prefix. ``truncated`` (the decoder
 alone, no context) is the baseline; ``full`` reads the passage in its own window (an upper bound: the
 decoder copying from itself). With ``shuffle`` the passage's tokens are permuted first (seeded), so that
@@ -29,7 +29,9 @@ class Config:
         sources: document sources, one domain each (see :func:`cepe.eval.common.iter_source`).
         passage_tokens: tokens of each passage (the whole passage is the context).
         prefix_tokens: tokens of the passage given to the decoder before the scored part.
-        chunk_length: encoder chunk length.
+        chunk_length: the context's pieces (aligned to the window); CEPE encodes each piece in chunks of its
+            adapter's ``chunk_length`` (``methods.cepe.chunk_length`` overrides it), so a longer piece is split
+            further and a shorter one is one padded chunk.
         passages_per_domain: passages per domain (one per document, at a seeded offset).
         shuffle: also score shuffled passages (a second row per domain, ``order: shuffled``).
         max_documents: documents read per source (None = all).

@@ -38,7 +38,9 @@ class Config:
         contexts: tokens of earlier text given to the model (0 = the window alone).
         decoder_window: tokens in the decoder, scored tokens included (fixed for every context length).
         eval_tokens: scored tokens at the end of the window.
-        chunk_length: encoder chunk length (and REPLUG piece length unless ``replug_piece_length``).
+        chunk_length: the context's pieces (aligned to the window); CEPE encodes each piece in chunks of its
+            adapter's ``chunk_length`` (``methods.cepe.chunk_length`` overrides it), so a longer piece is split
+            further and a shorter one is one padded chunk (REPLUG's piece length too, unless ``replug_piece_length``).
         sequences: sequences in all (documents in seeded order, ``per_document`` from each).
         per_document: at most this many sequences from one document, at non-overlapping offsets (one
             from each of that many equal parts of it; only as many as the document holds). Beyond 8K

@@ -2,7 +2,8 @@
 ``total`` tokens, per domain.
 
 Per sequence the decoder reads the last ``decoder_window`` tokens (paper: 2K when the total is 4K, else
-4K); for CEPE the tokens before go to the encoder in chunks of ``chunk_length`` (aligned to the window),
+4K); for CEPE the tokens before go to the encoder in pieces of ``chunk_length`` (aligned to the window;
+each piece in chunks of the adapter's own ``chunk_length``),
 ``full``/``streamingllm`` read the whole sequence, ``truncated`` only the window, ``replug`` prepends each
 chunk separately (uniform weights).
 """
@@ -34,7 +35,9 @@ class Config:
         decoder_window: tokens in the decoder (paper 4096) ...
         decoder_window_overrides: ... except these totals (paper ``{4096: 2048}``).
         eval_tokens: scored tokens at the end of each sequence (paper 256).
-        chunk_length: encoder chunk length (paper 256).
+        chunk_length: the context's pieces (aligned to the window); CEPE encodes each piece in chunks of its
+            adapter's ``chunk_length`` (``methods.cepe.chunk_length`` overrides it), so a longer piece is split
+            further and a shorter one is one padded chunk (paper 256).
         sequences_per_domain: sequences per domain and total (paper 5000; 10 at 128K).
         max_documents: documents read per source (None = all).
         seed: picks documents and offsets.

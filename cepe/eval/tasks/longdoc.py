@@ -72,7 +72,9 @@ class Config:
         instruction: used for the ACL papers.
         decoder_window: decoder tokens incl. the instruction (paper 2048).
         max_total_tokens: cap on document + instruction tokens (None = all; paper 2K+2K, 2K+30K, all).
-        chunk_length: encoder chunk length.
+        chunk_length: the context's pieces (aligned to the window); CEPE encodes each piece in chunks of its
+            adapter's ``chunk_length`` (``methods.cepe.chunk_length`` overrides it), so a longer piece is split
+            further and a shorter one is one padded chunk.
         metric: ``rouge_l``, ``f1`` or ``accuracy``.
         max_new_tokens: paper 50 (QA) / 1024 (summaries).
         chat_template: ``auto``, true or false.
