@@ -230,3 +230,42 @@ def test_cepe_chunks_each_piece_at_the_adapters_chunk_length():
     assert ids[mask].tolist() == list(range(1, 11)) + [7, 8]
     ids, mask = CepeMethod(model, chunk_length=16, pad_token_id=0).encoder_inputs([req])
     assert ids.shape == (1, 2, 16) and mask.sum(-1).tolist() == [[10, 2]]
+
+
+def test_foreign_context_reads_another_documents_text(setup):
+    """``foreign_context`` keeps every sequence's window and targets and gives it the context of the next
+    sequence of its source from another document: the decoder alone scores the same, full context
+    scores what the donor's text before the window gives, and with a 0-token context nothing changes."""
+    from cepe.eval.tasks.fixedppl import foreign_donors
+
+    base = {
+        "sources": [{"documents": _docs(3), "name": "a"}, {"documents": _docs(2, 70), "name": "b"}],
+        "contexts": [0, 64],
+        "decoder_window": 48,
+        "eval_tokens": 16,
+        "chunk_length": 32,
+        "sequences": 5,
+    }
+    own = run_task("fixedppl", setup, base)
+    foreign = run_task("fixedppl", setup, {**base, "foreign_context": True})
+    assert foreign["sequences"] == own["sequences"]  # the same targets
+    donors = foreign["context_from"]
+    seqs = own["sequences"]
+    for i, d in enumerate(donors):
+        assert (
+            d != i and seqs[d]["source"] == seqs[i]["source"] and seqs[d]["document"] != seqs[i]["document"]
+        )
+    assert "context_from" not in own
+    for method in ("truncated", "cepe", "full"):
+        assert _by(foreign["rows"], context=0)[method] == pytest.approx(_by(own["rows"], context=0)[method])
+    assert _by(foreign["rows"], context=64)["truncated"] == pytest.approx(
+        _by(own["rows"], context=64)["truncated"]
+    )
+    for method in ("cepe", "full"):
+        assert _by(foreign["rows"], context=64)[method] != pytest.approx(_by(own["rows"], context=64)[method])
+    order = [("a", "x"), ("a", "y"), ("b", "z"), ("b", "z"), ("a", "x")]
+    donors, notes = foreign_donors([{"source": s, "document": d} for s, d in order])
+    assert donors == [1, 4, 3, 2, 1]  # b's sequences share one document: each takes the other part
+    assert len(notes) == 1 and "'b'" in notes[0]
+    with pytest.raises(ValueError, match="single sequence"):
+        foreign_donors([{"source": "a", "document": "x"}, {"source": "b", "document": "x"}])

@@ -6,6 +6,9 @@ its encoder; ``full`` and ``streamingllm`` read it in the decoder, ``replug`` as
 never. Because the scored tokens and the window never change, a falling curve shows that the context is
 read (the ``lm`` task moves its windows between totals, so its columns cannot show this).
 
+With ``foreign_context`` each sequence reads another document's context (the result's ``context_from``
+names whose, by index), a control for what any context of the kind gives without being read.
+
 Each row keeps its sequences' per-token NLL (``nll_per_sequence``, in the order of the result's
 ``sequences``: each one's source, document id and token offset), and the
 result's ``steps`` compare each context length with the next shorter one on the same sequences: the mean
@@ -48,6 +51,10 @@ class Config:
         max_documents: documents read per source (None = all).
         seed: picks documents and offsets.
         replug_piece_length, replug_max_pieces: as in the ``lm`` task.
+        foreign_context: a control: each sequence's context is taken from another sequence of the same
+            source and another document (the next such one in the sequences' order; another part of
+            the one document where a source has one), its window and targets its own. What a model gains from it is what any text of that kind gives (its domain,
+            its register), not what this text says; the gain with its own context less this is reading.
     """
 
     sources: list[dict[str, Any]] = field(default_factory=lambda: list(DEFAULT_SOURCES))
@@ -61,6 +68,7 @@ class Config:
     seed: int = 0
     replug_piece_length: int | None = None
     replug_max_pieces: int | None = None
+    foreign_context: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.eval_tokens <= self.decoder_window:
@@ -104,6 +112,33 @@ def fixed_sequences(
     return out
 
 
+def foreign_donors(sequences: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+    """For each sequence (its ``source`` and ``document``), the index of the next sequence in order
+    (cyclically) of the same source from another document, whose context it gets under
+    ``foreign_context``; in a source whose sequences all come from one document, the next sequence of it
+    (another part of that document: sequences never overlap). Returns ``(donors, notes)``, a note for
+    each such source. Raises ValueError for a source with a single sequence."""
+    n = len(sequences)
+    donors, notes = [], []
+    for i, s in enumerate(sequences):
+        same = [(i + k) % n for k in range(1, n) if sequences[(i + k) % n]["source"] == s["source"]]
+        if not same:
+            raise ValueError(
+                f"foreign_context: source {s['source']!r} has a single sequence, so it can take no other "
+                "sequence's context; score more sequences or turn foreign_context off"
+            )
+        other = [j for j in same if sequences[j]["document"] != s["document"]]
+        donors.append(other[0] if other else same[0])
+        if not other:
+            note = (
+                f"foreign_context: every sequence of source {s['source']!r} comes from one document; its "
+                "contexts come from other parts of it"
+            )
+            if note not in notes:
+                notes.append(note)
+    return donors, notes
+
+
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     """Perplexity of the fixed targets for every method and context length."""
     docs: list[list[int]] = []
@@ -121,11 +156,17 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         return {"task": "fixedppl", "rows": [], "notes": notes, "plot_x": "context"}
     rows = []
     w = cfg.decoder_window
+    donors = list(range(len(seqs)))
+    if cfg.foreign_context:
+        donors, more = foreign_donors(sequences)
+        notes += ["foreign_context: each sequence's context is another sequence's (same source)", *more]
+    items = [(seq, seqs[d]) for seq, d in zip(seqs, donors)]
     for context in sorted(cfg.contexts):
         for method in setup.methods:
 
-            def score(m, seq, _c=context, _method=method):
-                before = seq[len(seq) - w - _c : len(seq) - w]
+            def score(m, item, _c=context, _method=method):
+                seq, donor = item
+                before = donor[len(donor) - w - _c : len(donor) - w]
                 piece = (
                     cfg.replug_piece_length
                     if _method == "replug" and cfg.replug_piece_length
@@ -138,7 +179,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
                 lp = m.score([req])[0]
                 return float(-lp.sum()), req.num_tokens
 
-            nll, cost = run_examples(setup, method, seqs, score, f"fixedppl context={context}")
+            nll, cost = run_examples(setup, method, items, score, f"fixedppl context={context}")
             rows.append(
                 {
                     "method": method,
@@ -156,6 +197,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         "rows": rows,
         "steps": steps,
         "sequences": sequences,
+        **({"context_from": donors} if cfg.foreign_context else {}),
         "notes": notes,
         "plot_x": "context",
         "extra_markdown": steps_table(steps),
