@@ -30,6 +30,18 @@ def setup():
     return s
 
 
+def _fixed(sources, contexts, window, scored, chunk, sequences):
+    """A fixedppl task config."""
+    return {
+        "sources": sources,
+        "contexts": contexts,
+        "decoder_window": window,
+        "eval_tokens": scored,
+        "chunk_length": chunk,
+        "sequences": sequences,
+    }
+
+
 def _by(rows, **setting):
     return {r["method"]: r["value"] for r in rows if all(r["setting"][k] == v for k, v in setting.items())}
 
@@ -176,14 +188,7 @@ def test_reports_are_written(setup, tmp_path):
     result = run_task("copy", setup, cfg)
     paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
     assert "| cepe |" in open(paths["markdown"]).read()
-    cfg = {
-        "sources": [{"documents": _docs(1)}],
-        "contexts": [0, 32],
-        "decoder_window": 24,
-        "eval_tokens": 8,
-        "chunk_length": 8,
-        "sequences": 1,
-    }
+    cfg = _fixed([{"documents": _docs(1)}], [0, 32], window=24, scored=8, chunk=8, sequences=1)
     result = run_task("fixedppl", setup, cfg)
     paths = write_report({**result, "model": "tiny"}, tmp_path, x_key=result.get("plot_x"))
     assert paths.get("plot") and open(paths["plot"], "rb").read(4) == b"\x89PNG"
@@ -238,14 +243,8 @@ def test_foreign_context_reads_another_documents_text(setup):
     scores what the donor's text before the window gives, and with a 0-token context nothing changes."""
     from cepe.eval.tasks.fixedppl import foreign_donors
 
-    base = {
-        "sources": [{"documents": _docs(3), "name": "a"}, {"documents": _docs(2, 70), "name": "b"}],
-        "contexts": [0, 64],
-        "decoder_window": 48,
-        "eval_tokens": 16,
-        "chunk_length": 32,
-        "sequences": 5,
-    }
+    sources = [{"documents": _docs(3), "name": "a"}, {"documents": _docs(2, 70), "name": "b"}]
+    base = _fixed(sources, [0, 64], window=48, scored=16, chunk=32, sequences=5)
     own = run_task("fixedppl", setup, base)
     foreign = run_task("fixedppl", setup, {**base, "foreign_context": True})
     assert foreign["sequences"] == own["sequences"]  # the same targets
