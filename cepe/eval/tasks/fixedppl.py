@@ -43,7 +43,8 @@ class Config:
         eval_tokens: scored tokens at the end of the window.
         chunk_length: the context's pieces (aligned to the window); CEPE encodes each piece in chunks of its
             adapter's ``chunk_length`` (``methods.cepe.chunk_length`` overrides it), so a longer piece is split
-            further and a shorter one is one padded chunk (REPLUG's piece length too, unless ``replug_piece_length``).
+            further and a shorter one is one padded chunk (REPLUG's piece length too, unless
+            ``replug_piece_length``).
         sequences: sequences in all (documents in seeded order, ``per_document`` from each).
         per_document: at most this many sequences from one document, at non-overlapping offsets (one
             from each of that many equal parts of it; only as many as the document holds). Beyond 8K
@@ -53,8 +54,9 @@ class Config:
         replug_piece_length, replug_max_pieces: as in the ``lm`` task.
         foreign_context: a control: each sequence's context is taken from another sequence of the same
             source and another document (the next such one in the sequences' order; another part of
-            the one document where a source has one), its window and targets its own. What a model gains from it is what any text of that kind gives (its domain,
-            its register), not what this text says; the gain with its own context less this is reading.
+            the one document where a source has one), its window and targets its own. What a model
+            gains from it is what any text of that kind gives (its domain, its register), not what this
+            text says; the gain with its own context less this is reading.
     """
 
     sources: list[dict[str, Any]] = field(default_factory=lambda: list(DEFAULT_SOURCES))
