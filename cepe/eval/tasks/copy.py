@@ -3,9 +3,10 @@
 A passage of ``passage_tokens`` tokens from a held-out document goes to the encoder (pieces of
 ``chunk_length``, each in chunks of the adapter's own); the decoder reads the passage's first
 ``prefix_tokens`` tokens and then has to continue it. The score is the perplexity of the passage after
-the prefix. ``truncated`` (the decoder alone, no context) is the baseline; ``full`` reads the passage in its own window (an upper bound: the
-decoder copying from itself). With ``shuffle`` the passage's tokens are permuted first (seeded), so that
-language gives no help and only reading the context lowers the perplexity.
+the prefix. ``truncated`` (the decoder alone, no context) is the baseline; ``full`` reads the passage
+in its own window (an upper bound: the decoder copying from itself). With ``shuffle`` the passage's
+tokens are permuted first (seeded), so that language gives no help and only reading the context lowers
+the perplexity.
 """
 
 from __future__ import annotations
