@@ -4,7 +4,9 @@
 # 1K / 2K (lm_val.yaml), the validation copy probe (copy_val.yaml), the news needle (needle_val4.yaml) and
 # planted-fact QA from held-out papers with 2 / 5 / 10 passages (qa_val.yaml).
 # Usage: bash scripts/eval_val.sh ADAPTER_DIR OUT_DIR   (pause any training run on the same cores)
-# ONLY="lm_val copy_val" runs a subset (the other validation needles too: ONLY="needle_val2 needle_val3");
+# ONLY="lm_val copy_val" runs a subset (the other validation needles too: ONLY="needle_val2 needle_val3"; the
+# short curve on kernel documents outside the training corpora, fixedppl_val_short_kernel, and with other
+# documents' contexts, fixedppl_val_short_foreign);
 # results: OUT_DIR/CONFIG/{CONFIG.json,.md,.png}, logs OUT_DIR/CONFIG.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
