@@ -5,10 +5,11 @@ Step ``s`` consumes global examples ``[s·batch_size, (s+1)·batch_size)`` (see
 do not depend on the number of processes or on interruptions: ``--resume`` reproduces the losses of an
 uninterrupted run exactly.
 
-Outputs in ``output_dir``: ``train_config.json``, ``log.jsonl`` (one JSON record per logged step),
-``checkpoints/step_*/`` and, at the end, the stage artifact: a cepe adapter (``adapter_model.safetensors``
-+ ``cepe_config.json``, loadable by ``CepeForCausalLM.from_pretrained``) or, for ``mlm``, the encoder
-(``encoder_model.safetensors`` + ``encoder_config.json``, what ``init_encoder`` reads).
+Outputs in ``output_dir``: ``train_config.json``, ``log.jsonl`` (one JSON record per logged step;
+``--resume`` rewrites it to the records up to the checkpoint's step), ``checkpoints/step_*/`` and, at the
+end, the stage artifact: a cepe adapter (``adapter_model.safetensors`` + ``cepe_config.json``, loadable by
+``CepeForCausalLM.from_pretrained``) or, for ``mlm``, the encoder (``encoder_model.safetensors`` +
+``encoder_config.json``, what ``init_encoder`` reads).
 """
 
 from __future__ import annotations
