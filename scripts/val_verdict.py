@@ -1,0 +1,215 @@
+"""A candidate adapter's validation results against the shipped adapter's, cell by cell: the rule that
+decides a replacement (the candidate must be better on every validation evaluation) as a command.
+
+Both folders are what ``bash scripts/eval_val.sh ADAPTER OUT`` writes (``OUT/CONFIG/TASK.json`` per
+validation config). Every validation config present in both is compared (``fixedppl_val``,
+``fixedppl_val_short``, ``fixedppl_val_short_kernel``, ``lm_val``, ``copy_val``, ``needle_val*``, ``qa_val``;
+not the reported test sets, nor the foreign-context control, whose lower perplexity is not better), on one
+method's rows (``--method``, default ``cepe``), cell by cell:
+- ``fixedppl_val*``: perplexity per context length (lower is better; the context-0 cell is the decoder
+  alone, the same model under either adapter, and is left out);
+- ``lm_val``: perplexity per total and domain, ``avg`` included (lower);
+- ``copy_val``: the copy probe's perplexity per domain and order (lower);
+- ``needle_val*``: accuracy per total, the mean over depths (higher); the gold answer's NLL (lower) as a
+  second metric;
+- ``qa_val``: exact match per k (higher); the gold answers' NLL per k (lower) as a second metric.
+A cell is better or worse by any difference (``--tolerance``, a relative change, widens "same"). A config's
+verdict comes from its first metric's cells: "better" when none is worse and one is better, "worse" the
+other way round, "mixed" with both, "same" with neither; the second metric's verdict is given beside it.
+The last line applies the replacement rule: no config worse or mixed, and at least one better.
+
+Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
+    [--method cepe] [--tolerance 0] [--out OUT]
+(``--out OUT`` writes OUT.json and OUT.md; the markdown is printed either way.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from cepe.fileio import write_json, write_text
+from cepe.tables import pipe_table
+
+BASE = "results/recipe/mix_fit3/fit150_int8"  # the shipped adapter's validation results
+VALIDATION = re.compile(r"^(fixedppl_val(_short(_kernel)?)?|lm_val|copy_val|needle_val\d*|qa_val)$")
+
+
+def result(folder: Path) -> dict[str, Any]:
+    """The one ``TASK.json`` a ``cepe eval`` wrote into ``folder``."""
+    files = [p for p in folder.glob("*.json") if p.stem in TASKS]
+    if len(files) != 1:
+        raise SystemExit(f"{folder}: expected one cepe eval result (TASK.json), found {len(files)}")
+    data = json.loads(files[0].read_text())
+    if not isinstance(data, dict) or "rows" not in data or "task" not in data:
+        raise SystemExit(f"{files[0]}: not a cepe eval result (no task / rows)")
+    return data
+
+
+def cells(data: dict[str, Any], method: str) -> dict[str, tuple[float, bool, bool]]:
+    """Cell name → (value, lower is better, first metric) of one result, for ``method``'s rows."""
+    rows = [r for r in data["rows"] if r.get("method") == method]
+    task = data["task"]
+    out: dict[str, tuple[float, bool, bool]] = {}
+    if task == "fixedppl":
+        for r in rows:
+            if r["setting"]["context"]:
+                out[f"ppl, context {r['setting']['context']}"] = (float(r["value"]), True, True)
+    elif task == "lm":
+        for r in rows:
+            out[f"ppl, {r['setting']['total']} {r['setting']['domain']}"] = (float(r["value"]), True, True)
+    elif task == "copy":
+        for r in rows:
+            out[f"ppl, {r['setting']['domain']} {r['setting']['order']}"] = (float(r["value"]), True, True)
+    elif task == "needle":
+        for total in sorted({r["setting"]["total"] for r in rows}):
+            at = [r for r in rows if r["setting"]["total"] == total]
+            out[f"accuracy, {total}"] = (statistics.fmean(float(r["value"]) for r in at), False, True)
+            nll = [float(r["answer_nll"]) for r in at if r.get("answer_nll") is not None]
+            if len(nll) == len(at):
+                out[f"answer NLL, {total}"] = (statistics.fmean(nll), True, False)
+    elif task == "qa":
+        for r in rows:
+            out[f"exact match, k = {r['setting']['k']}"] = (float(r["value"]), False, True)
+            if r.get("answer_nll") is not None:
+                out[f"answer NLL, k = {r['setting']['k']}"] = (float(r["answer_nll"]), True, False)
+    else:
+        raise SystemExit(f"a {task!r} result: not one of the validation tasks ({', '.join(TASKS)})")
+    if not out:
+        raise SystemExit(f"no {method!r} rows in a {task} result (methods: {data.get('methods')})")
+    return out
+
+
+TASKS = ("fixedppl", "lm", "copy", "needle", "qa")
+
+
+def compare(base: Path, cand: Path, method: str, tolerance: float) -> list[dict[str, Any]]:
+    """One row per cell of every validation config both folders hold."""
+    names = sorted(
+        p.name
+        for p in cand.iterdir()
+        if VALIDATION.match(p.name) and (base / p.name).is_dir() and any(p.glob("*.json"))
+    )
+    if not names:
+        raise SystemExit(f"{cand} and {base} hold no validation config in common (bash scripts/eval_val.sh)")
+    rows = []
+    for name in names:
+        b, c = cells(result(base / name), method), cells(result(cand / name), method)
+        for cell in [k for k in c if k in b]:
+            (bv, lower, first), (cv, _, _) = b[cell], c[cell]
+            change = (cv - bv) / abs(bv) if bv else (0.0 if cv == bv else float("inf"))
+            if abs(change) <= tolerance:
+                verdict = "same"
+            else:
+                verdict = "better" if (cv < bv) == lower else "worse"
+            rows.append(
+                {
+                    "config": name,
+                    "cell": cell,
+                    "first_metric": first,
+                    "base": bv,
+                    "candidate": cv,
+                    "change": change,
+                    "verdict": verdict,
+                }
+            )
+    return rows
+
+
+def verdict_of(verdicts: set[str]) -> str:
+    """better / worse / mixed / same from the cells' verdicts ("" without cells)."""
+    if not verdicts:
+        return ""
+    if {"better", "worse"} <= verdicts:
+        return "mixed"
+    return "better" if "better" in verdicts else "worse" if "worse" in verdicts else "same"
+
+
+def config_verdicts(rows: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """Config → (its first metric's verdict, its second metric's)."""
+    out = {}
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        out[name] = (
+            verdict_of({r["verdict"] for r in mine if r["first_metric"]}),
+            verdict_of({r["verdict"] for r in mine if not r["first_metric"]}),
+        )
+    return out
+
+
+def rule(verdicts: dict[str, tuple[str, str]]) -> tuple[bool, str]:
+    """The replacement rule over the configs' first-metric verdicts, and the line that says it."""
+    against = [f"{n}: {v[0]}" for n, v in verdicts.items() if v[0] in ("worse", "mixed")]
+    better = [n for n, v in verdicts.items() if v[0] == "better"]
+    ok = not against and bool(better)
+    why = f"worse or mixed on {', '.join(against)}" if against else "better on none" if not better else ""
+    line = "replaces the shipped adapter by the rule (no config worse or mixed, at least one better): " + (
+        f"yes (better on {', '.join(better)})" if ok else f"no ({why})"
+    )
+    return ok, line
+
+
+def report(rows: list[dict[str, Any]], base: str, cand: str) -> list[str]:
+    verdicts = config_verdicts(rows)
+    lines = [f"# validation: {cand} against {base}", ""]
+    lines += pipe_table(
+        ["config", "cell", "base", "candidate", "change", "verdict"],
+        [
+            [
+                r["config"],
+                r["cell"],
+                f"{r['base']:.4g}",
+                f"{r['candidate']:.4g}",
+                f"{100 * r['change']:+.2f} %",
+                r["verdict"],
+            ]
+            for r in rows
+        ],
+    )
+    lines += ["", *pipe_table(["config", "verdict", "answer NLL"], [[n, *v] for n, v in verdicts.items()])]
+    lines += ["", rule(verdicts)[1]]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("candidate", help="the candidate's eval_val.sh output folder")
+    ap.add_argument("--base", default=BASE, help=f"the folder to beat (default {BASE}, the shipped adapter)")
+    ap.add_argument("--method", default="cepe", help="the method whose rows are compared (default cepe)")
+    ap.add_argument(
+        "--tolerance", type=float, default=0.0, help="relative change counted as same (default 0)"
+    )
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    base, cand = Path(args.base), Path(args.candidate)
+    for p in (base, cand):
+        if not p.is_dir():
+            raise SystemExit(f"{p}: no such folder (the output folder of bash scripts/eval_val.sh)")
+    if args.tolerance < 0:
+        ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    rows = compare(base, cand, args.method, args.tolerance)
+    lines = report(rows, args.base, args.candidate)
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "base": args.base,
+            "candidate": args.candidate,
+            "method": args.method,
+            "tolerance": args.tolerance,
+            "verdicts": config_verdicts(rows),
+            "replaces": rule(config_verdicts(rows))[0],
+        }
+        write_json(out.with_suffix(".json"), {"meta": meta, "rows": rows}, indent=1)
+        write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

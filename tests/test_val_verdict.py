@@ -1,0 +1,105 @@
+"""scripts/val_verdict.py: a candidate's validation results against the shipped adapter's (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import load_script
+
+
+def _write(root, config, task, rows):
+    (root / config).mkdir(parents=True, exist_ok=True)
+    (root / config / f"{task}.json").write_text(json.dumps({"task": task, "rows": rows, "methods": ["cepe"]}))
+
+
+def _folder(root, short, needle, qa_em, qa_nll, lm=(16.0, 13.0)):
+    _write(
+        root,
+        "fixedppl_val_short",
+        "fixedppl",
+        [{"method": "cepe", "setting": {"context": c}, "value": v} for c, v in zip((0, 512, 1024), short)]
+        + [{"method": "truncated", "setting": {"context": 512}, "value": 1.0}],
+    )
+    _write(
+        root,
+        "needle_val4",
+        "needle",
+        [
+            {"method": "cepe", "setting": {"total": t, "depth": d}, "value": a, "answer_nll": n}
+            for (t, d), (a, n) in needle.items()
+        ],
+    )
+    _write(
+        root, "qa_val", "qa", [{"method": "cepe", "setting": {"k": 2}, "value": qa_em, "answer_nll": qa_nll}]
+    )
+    _write(
+        root,
+        "lm_val",
+        "lm",
+        [
+            {"method": "cepe", "setting": {"total": t, "domain": "avg"}, "value": v}
+            for t, v in zip((1024, 2048), lm)
+        ],
+    )
+    # a reported test set and the foreign-context control are not validation configs: never compared
+    _write(root, "fixedppl", "fixedppl", [{"method": "cepe", "setting": {"context": 512}, "value": short[1]}])
+
+
+def test_cells_verdicts_and_the_replacement_rule(tmp_path, capsys):
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2), (2048, 0.5): (0, 0.4)}, 7.5, 4.0)
+    # better at 512, worse at 1024 (mixed); needle mean 50 -> 100 (better), its NLL worse; QA same EM
+    _folder(cand, (99.0, 7.5, 8.0), {(2048, 0.0): (100, 0.3), (2048, 0.5): (100, 0.5)}, 7.5, 3.0)
+    rows = mod.compare(base, cand, "cepe", 0.0)
+    assert {r["config"] for r in rows} == {"fixedppl_val_short", "needle_val4", "qa_val", "lm_val"}
+    cells = {(r["config"], r["cell"]): r for r in rows}
+    assert ("fixedppl_val_short", "ppl, context 0") not in cells  # the decoder alone is left out
+    assert cells["fixedppl_val_short", "ppl, context 512"]["verdict"] == "better"
+    assert cells["fixedppl_val_short", "ppl, context 1024"]["verdict"] == "worse"
+    assert (
+        cells["needle_val4", "accuracy, 2048"]["base"] == 50
+        and cells["needle_val4", "accuracy, 2048"]["candidate"] == 100
+    )
+    assert cells["needle_val4", "answer NLL, 2048"]["candidate"] == pytest.approx(0.4)
+    verdicts = mod.config_verdicts(rows)
+    assert verdicts == {
+        "fixedppl_val_short": ("mixed", ""),
+        "lm_val": ("same", ""),
+        "needle_val4": ("better", "worse"),
+        "qa_val": ("same", "better"),
+    }
+    assert mod.rule(verdicts)[0] is False
+    out = tmp_path / "v/verdict"
+    assert mod.main([str(cand), "--base", str(base), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("no (worse or mixed on fixedppl_val_short: mixed)")
+    assert out.with_suffix(".md").read_text() == printed
+    assert json.loads(out.with_suffix(".json").read_text())["meta"]["replaces"] is False
+    # no config worse, one better: it replaces; a tolerance turns small changes into "same"
+    _folder(
+        cand, (99.0, 7.5, 7.9), {(2048, 0.0): (100, 0.3), (2048, 0.5): (100, 0.5)}, 7.5, 3.0, lm=(16.1, 13)
+    )
+    ok, line = mod.rule(mod.config_verdicts(mod.compare(base, cand, "cepe", 0.01)))
+    assert ok and line.endswith("yes (better on fixedppl_val_short, needle_val4)")
+    assert not mod.rule(mod.config_verdicts(mod.compare(base, cand, "cepe", 0.0)))[0]  # lm_val 16 -> 16.1
+    assert not mod.rule({"qa_val": ("same", "better")})[0]  # better on none
+
+
+def test_bad_folders_are_refused_with_the_reason(tmp_path):
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    cand.mkdir()
+    with pytest.raises(SystemExit, match="no validation config in common"):
+        mod.compare(base, cand, "cepe", 0.0)
+    with pytest.raises(SystemExit, match="no such folder"):
+        mod.main([str(tmp_path / "nowhere"), "--base", str(base)])
+    _write(cand, "qa_val", "qa", [{"method": "full", "setting": {"k": 2}, "value": 1.0}])
+    with pytest.raises(SystemExit, match="no 'cepe' rows in a qa result"):
+        mod.compare(base, cand, "cepe", 0.0)
+    _write(cand, "lm_val", "icl", [{"method": "cepe", "setting": {}, "value": 1.0}])
+    (cand / "qa_val/qa.json").unlink()
+    with pytest.raises(SystemExit, match="expected one cepe eval result"):
+        mod.compare(base, cand, "cepe", 0.0)
