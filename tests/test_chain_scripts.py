@@ -327,3 +327,86 @@ def test_probe_stage_runs_every_probe_and_skip_done_keeps_those_already_there(tm
     assert proc.returncode == 0, proc.stderr
     assert calls.read_text().split() == ["copy_val"]
     assert "copy_val natural 2.0" in proc.stdout
+
+
+_FAKE_CEPE = r"""#!/usr/bin/env bash
+# stands in for cepe: records its arguments and writes what each command would
+echo "cepe $*" >> "$CALLS"
+case "$1" in
+  fit-heads) mkdir -p "runs/recipe/$(basename "$3" .yaml)-fit/adapter"
+             echo '{}' > "runs/recipe/$(basename "$3" .yaml)-fit/adapter/cepe_config.json" ;;
+  export) mkdir -p "$5" && echo '{}' > "$5/cepe_config.json" ;;
+  prepare-data) mkdir -p runs/data/mini_kernel && echo '{}' > runs/data/mini_kernel/summary.json ;;
+  eval) for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+        cfg=$(basename "$out"); mkdir -p "$out"
+        cp "$BASE/$cfg/"*.json "$out/" ;;
+esac
+"""
+
+
+def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
+    """``heads_and_validate.sh`` fits, exports, runs every validation config and the verdict for each heads
+    recipe, preparing the kernel data where the recipe reads it; run again, it redoes nothing."""
+    root = _tree(tmp_path)
+    for rel in ("scripts/heads_and_validate.sh", "scripts/eval_val.sh", "scripts/val_verdict.py"):
+        shutil.copy(ROOT / rel, root / rel)
+    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
+    base = root / "results/recipe/mix_fit3/fit150_int8"
+    shutil.copytree(ROOT / "results/recipe/mix_fit3/fit150_int8", base)
+    (root / "adapters/smollm2-135m-cepe").mkdir(parents=True)
+    fake = root / "fakebin/cepe"
+    fake.parent.mkdir()
+    fake.write_text(_FAKE_CEPE)
+    fake.chmod(0o755)
+    calls = root / "calls.txt"
+    (root / ".venv/bin/activate").write_text(
+        f'export PATH="{fake.parent}:$PATH" CALLS="{calls}" BASE="{base}" PYTHONPATH="{ROOT}"\n'
+    )
+    for _ in range(2):
+        proc = subprocess.run(
+            ["bash", "scripts/heads_and_validate.sh", "mix_fit14", "mix_fit14k"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr
+        _wait(root / "runs/recipe/heads.pid", 120)
+    log = (root / "runs/recipe/heads.log").read_text()
+    made = calls.read_text().splitlines()
+    assert len([c for c in made if c.startswith("cepe fit-heads")]) == 2  # once per recipe, not on the rerun
+    assert (
+        "cepe fit-heads --recipe configs/train/recipe/mix_fit14k.yaml --compare adapters/smollm2-135m-cepe"
+        in (calls.read_text())
+    )
+    assert len([c for c in made if c.startswith("cepe prepare-data")]) == 1  # mix_fit14k reads mini_kernel
+    evals = [c for c in made if c.startswith("cepe eval")]
+    assert len(evals) == 2 * 9 and all(
+        "--model runs/recipe/mix_fit14" in c and "-fit/int8" in c for c in evals
+    )
+    for name in ("mix_fit14", "mix_fit14k"):
+        assert (root / f"results/recipe/{name}/fit150_int8/needle_val4/needle.json").is_file()
+        verdict = (root / f"results/recipe/{name}/val_verdict.md").read_text()
+        assert verdict.rstrip().endswith("no (better on none)")  # the shipped adapter's own numbers: a tie
+        assert f"{name}: done" in log
+
+
+def test_heads_and_validate_refuses_unknown_recipes_and_gives_up_waiting_without_a_chain(tmp_path):
+    root = _tree(tmp_path)
+    shutil.copy(ROOT / "scripts/heads_and_validate.sh", root / "scripts/heads_and_validate.sh")
+    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
+    proc = subprocess.run(
+        ["bash", "scripts/heads_and_validate.sh", "nope"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "no such heads recipe: configs/train/recipe/nope.yaml" in proc.stderr
+    env = {**os.environ, "WAIT_FOR": "read_lm4"}
+    proc = subprocess.run(
+        ["bash", "scripts/heads_and_validate.sh", "mix_fit14"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/heads.pid")
+    log = (root / "runs/recipe/heads.log").read_text()
+    assert "the chain is not running and read_lm4 is not done" in log and "fit-heads" not in log

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# After a reader stage: fit the output mixture's heads over it, store the adapter as int8, run every
+# validation evaluation on it and judge it against the shipped adapter, for each heads recipe named, one
+# after another in the background, so that no CPU time is lost between the steps.
+# Usage: bash scripts/heads_and_validate.sh NAME [NAME ...]   (NAME: configs/train/recipe/NAME.yaml, a heads
+#        recipe for `cepe fit-heads`, e.g. mix_fit14 mix_fit14k)
+# WAIT_FOR=STAGE first waits until runs/recipe/STAGE/status.json says "done" (the reader the recipes
+# read), and gives up if the chain (runs/recipe/chain.pid) ends without it.
+# Per NAME (each step skipped where its output exists, so the same command resumes):
+#   cepe fit-heads --recipe configs/train/recipe/NAME.yaml --compare adapters/smollm2-135m-cepe --no-progress
+#   cepe export --model runs/recipe/NAME-fit/adapter --out runs/recipe/NAME-fit/int8 --quantize int8
+#   ONLY=CONFIG bash scripts/eval_val.sh runs/recipe/NAME-fit/int8 results/recipe/NAME/fit150_int8  (each)
+#   python scripts/val_verdict.py results/recipe/NAME/fit150_int8 --out results/recipe/NAME/val_verdict
+# Log: runs/recipe/heads.log; pid: runs/recipe/heads.pid. Pause it for other work as the chain
+# (kill -STOP / -CONT on the running `cepe` process).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { echo "usage: bash scripts/heads_and_validate.sh NAME [NAME ...] (configs/train/recipe/NAME.yaml)" >&2; exit 2; }
+for name in "$@"; do
+  [ -f "configs/train/recipe/$name.yaml" ] || { echo "no such heads recipe: configs/train/recipe/$name.yaml" >&2; exit 2; }
+done
+if [ -n "${WAIT_FOR:-}" ] && [ ! -f "configs/train/recipe/$WAIT_FOR.yaml" ]; then
+  echo "WAIT_FOR=$WAIT_FOR: no such stage (configs/train/recipe/$WAIT_FOR.yaml)" >&2; exit 2
+fi
+mkdir -p runs/recipe
+if [ -f runs/recipe/heads.pid ] && kill -0 "$(cat runs/recipe/heads.pid)" 2>/dev/null; then
+  echo "heads_and_validate is running already (pid $(cat runs/recipe/heads.pid), log runs/recipe/heads.log)" >&2
+  exit 2
+fi
+# the validation configs, in the order the decision reads them
+VAL="fixedppl_val_short fixedppl_val_short_kernel needle_val4 needle_val2 needle_val3 fixedppl_val lm_val qa_val copy_val"
+pipeline() {
+  set -euo pipefail
+  . .venv/bin/activate
+  log() { echo "$(date -u +%FT%TZ) $*"; }
+  if [ -n "${WAIT_FOR:-}" ]; then
+    log "waiting for $WAIT_FOR"
+    until grep -qs '"state": "done"' "runs/recipe/$WAIT_FOR/status.json"; do
+      if ! { [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; }; then
+        log "the chain is not running and $WAIT_FOR is not done: run the chain again, then this"; exit 1
+      fi
+      sleep 60
+    done
+    log "$WAIT_FOR done"
+  fi
+  for name in "$@"; do
+    local fit=runs/recipe/$name-fit res=results/recipe/$name/fit150_int8
+    if grep -qs 'runs/data/mini_kernel' "configs/train/recipe/$name.yaml" && [ ! -f runs/data/mini_kernel/summary.json ]; then
+      log "$name: preparing runs/data/mini_kernel"
+      cepe prepare-data --corpora austen acl stdlib linux-docs linux-code --max-docs 1000 --seed 1 \
+        --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini_kernel --quiet
+    fi
+    if [ ! -f "$fit/adapter/cepe_config.json" ]; then
+      log "$name: fit-heads"
+      cepe fit-heads --recipe "configs/train/recipe/$name.yaml" --compare adapters/smollm2-135m-cepe \
+        --no-progress >> "runs/recipe/$name-fit.log" 2>&1
+    fi
+    if [ ! -f "$fit/int8/cepe_config.json" ]; then
+      log "$name: export int8"
+      cepe export --model "$fit/adapter" --out "$fit/int8" --quantize int8 >> "runs/recipe/$name-fit.log" 2>&1
+    fi
+    for cfg in $VAL; do
+      if ! ls "$res/$cfg/"*.json > /dev/null 2>&1; then
+        log "$name: $cfg"
+        ONLY=$cfg bash scripts/eval_val.sh "$fit/int8" "$res"
+      fi
+    done
+    python scripts/val_verdict.py "$res" --out "results/recipe/$name/val_verdict" | tail -1
+    log "$name: done (results/recipe/$name/val_verdict.md)"
+  done
+}
+nohup bash -c "$(declare -f pipeline); VAL='$VAL' pipeline $*" >> runs/recipe/heads.log 2>&1 &
+echo $! > runs/recipe/heads.pid
+echo "started heads_and_validate $* (pid $(cat runs/recipe/heads.pid)), log runs/recipe/heads.log"
