@@ -7,7 +7,7 @@
 # ONLY="lm_val copy_val" runs a subset (the other validation needles too: ONLY="needle_val2 needle_val3"; the
 # short curve on kernel documents outside the training corpora, fixedppl_val_short_kernel, and with other
 # documents' contexts, fixedppl_val_short_foreign);
-# results: OUT_DIR/CONFIG/{CONFIG.json,.md,.png}, logs OUT_DIR/CONFIG.log.
+# results: OUT_DIR/CONFIG/{TASK.json,.md,.png} (TASK: fixedppl, lm, copy, needle, qa), logs OUT_DIR/CONFIG.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
