@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for s in args.keys:
         b, h, kv, t, d = args.batch, args.heads, args.kv_heads, args.queries, args.head_dim
-        q, k, v, mask, grad_out = random_inputs(b, h, kv, t, s, d)
+        q, k, v, mask, grad_out = random_inputs(b, h, kv, t, s, d, getattr(torch, args.dtype))
         scale = d**-0.5
         fused, g_fused = time_call(attention_sdpa, [q, k, v], mask, scale, grad_out, args.repeats)
         plain, g_plain = time_call(attention_ref, [q, k, v], mask, scale, grad_out, args.repeats)

@@ -16,7 +16,8 @@ from ..tables import write_rows
 
 def shape_parser(description: str, keys: list[int], batch: int) -> argparse.ArgumentParser:
     """A parser with the shape options (defaults: the default decoder's 9 heads over 3 of 64, T 128), the
-    repeats and ``--out``."""
+    dtype (bf16 as training on a CPU with bf16 units; fp32 as it trains without them), the repeats and
+    ``--out``."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--keys", type=int, nargs="+", default=keys, help="encoder keys S")
     ap.add_argument("--batch", type=int, default=batch, help="examples B")
@@ -24,23 +25,30 @@ def shape_parser(description: str, keys: list[int], batch: int) -> argparse.Argu
     ap.add_argument("--heads", type=int, default=9, help="query heads")
     ap.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="q, k, v and the output gradient's dtype (float32: what `bf16: auto` trains in on a CPU without "
+        "bf16 units)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     return ap
 
 
 def random_inputs(
-    b: int, h: int, kv: int, t: int, s: int, d: int
+    b: int, h: int, kv: int, t: int, s: int, d: int, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 ``q`` (B, H, T, hd), ``k``, ``v`` (B, KV, S, hd) that require gradients, a key mask (B, S) with a
-    quarter of the keys of every other example off (padding, as chunks of unequal lengths leave it), and a
-    gradient for the output (B, H, T, hd), drawn from torch's global generator."""
-    q = torch.randn(b, h, t, d, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(b, kv, s, d, dtype=torch.bfloat16, requires_grad=True)
+    """``q`` (B, H, T, hd), ``k``, ``v`` (B, KV, S, hd) of ``dtype`` that require gradients, a key mask (B, S)
+    with a quarter of the keys of every other example off (padding, as chunks of unequal lengths leave it),
+    and a gradient for the output (B, H, T, hd), drawn from torch's global generator."""
+    q = torch.randn(b, h, t, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, kv, s, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, kv, s, d, dtype=dtype, requires_grad=True)
     mask = torch.ones(b, s, dtype=torch.bool)
     mask[1::2, s - s // 4 :] = False
-    return q, k, v, mask, torch.randn(b, h, t, d, dtype=torch.bfloat16)
+    return q, k, v, mask, torch.randn(b, h, t, d, dtype=dtype)
 
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -55,6 +63,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             "KV": args.kv_heads,
             "hd": args.head_dim,
         },
+        "dtype": getattr(args, "dtype", "bfloat16"),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
