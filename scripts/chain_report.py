@@ -11,7 +11,7 @@ Everything comes from the run folders and the configs; no model is loaded and no
 - the loss windows: the mean of ``loss`` (and of each ``--terms`` key the rows carry) over steps 1-N,
   N+1-2N, ... (``--every N``, default 50); a last window shorter than N is marked with its step range.
 - hours left: each stage's remaining steps times its own median; a stage not yet begun has no pace of its
-  own and is left out of the sum, which then says how many stages it does not cover.
+  own (nor has a stage whose first step is under way) and is left out of the sum, which names them.
 
 Usage: python scripts/chain_report.py NAME [NAME ...] [--runs runs/recipe] [--every 50]
     [--terms lm_qa,lm_lm] [--out OUT]
@@ -160,7 +160,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
     unpaced = [r["stage"] for r in rows if r["hours_left"] is None]
     text = f"hours left at each stage's own pace: {sum(left):.2f}"
     if unpaced:
-        text += f", not counting {len(unpaced)} stage(s) not begun ({', '.join(unpaced)})"
+        text += f", not counting {len(unpaced)} stage(s) with no step timed yet ({', '.join(unpaced)})"
     return text
 
 

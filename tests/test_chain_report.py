@@ -59,7 +59,9 @@ def test_steps_pace_windows_and_hours_left(tmp_path, capsys):
     assert mod.main(args) == 0
     printed = capsys.readouterr().out
     assert "| a | done | 6 / 6 | 2.0 | 0.2 | 0.0 | 4 | 2.500 / 1.500 (5-6) |" in printed
-    assert printed.rstrip().endswith(f"{3 * 10 / 3600:.2f}, not counting 1 stage(s) not begun (c)")
+    assert printed.rstrip().endswith(
+        f"{3 * 10 / 3600:.2f}, not counting 1 stage(s) with no step timed yet (c)"
+    )
     assert out.with_suffix(".md").read_text() == printed
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["stage"] == "c"
 
