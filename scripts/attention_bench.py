@@ -2,8 +2,8 @@
 
 The route's recall stages spend about a third of a step in the CPU flash-attention kernel (the profile in
 docs/TRAINING.md, "Where a recall step's time goes"). This times one cross-attention call, forward and
-backward, as training runs it (B examples of T decoder queries over S encoder keys, GQA, bf16, a key mask
-on the padded keys) through :func:`cepe.layers.attention_sdpa` (the fused kernel) and
+backward, as training runs it (B examples of T decoder queries over S encoder keys, GQA, bf16 or
+``--dtype float32``, a key mask on the padded keys) through :func:`cepe.layers.attention_sdpa` (the fused kernel) and
 :func:`cepe.layers.attention_ref` (scores and their gradient as plain batched matmuls, fp32 softmax), and
 reports the best of ``--repeats`` timings and how far the gradients of the two agree.
 
@@ -39,7 +39,7 @@ def time_call(
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = shape_parser(__doc__.split("\n\n")[0], keys=[1024, 2048, 4096, 8192], batch=16)
+    ap = shape_parser(__doc__.split("\n\n")[0], keys=[1024, 2048, 4096, 8192], batch=16, dtype_option=True)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = []

@@ -7,7 +7,7 @@ Everything comes from the run folders and the configs; no model is loaded and no
 - seconds a step: the median of the ``step_s`` its rows logged. A pause (``kill -STOP``, the host busy)
   inflates the step it falls in and not the median, so steps × median is the stage's CPU-minutes at its own
   pace, as the documented per-stage tables give them. A resumed run rewrites ``log.jsonl`` up to its
-  checkpoint's step: the rows are the steps the run kept, each once.
+  checkpoint's step: the rows are the steps the run kept, each once (``cepe.training.trainer.read_log``).
 - the loss windows: the mean of ``loss`` (and of each ``--terms`` key the rows carry) over steps 1-N,
   N+1-2N, ... (``--every N``, default 50); a last window shorter than N is marked with its step range.
 - hours left: each stage's remaining steps times its own median; a stage not yet begun has no pace of its
@@ -31,27 +31,9 @@ from typing import Any
 from cepe.configio import read_config_file
 from cepe.fileio import write_json, write_text
 from cepe.tables import pipe_table
+from cepe.training.trainer import read_log
 
 CONFIGS = Path("configs/train/recipe")
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """The rows of a ``log.jsonl``, one per step (the last row of a step counts), in step order."""
-    rows: dict[int, dict[str, Any]] = {}
-    lines = path.read_text(errors="replace").splitlines()
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):
-                continue  # the row being written when the file was read
-            raise SystemExit(f"{path}:{n}: not a JSON row; is this a trainer's log.jsonl?") from None
-        if isinstance(rec, dict) and "step" in rec:
-            rows[int(rec["step"])] = rec
-    return [rows[s] for s in sorted(rows)]
 
 
 def windows(rows: list[dict[str, Any]], key: str, every: int) -> list[str]:
@@ -94,7 +76,10 @@ def stage_row(name: str, runs: Path, configs: Path, every: int, terms: list[str]
     """One stage's measured state (see the module docstring)."""
     total = stage_steps(name, configs)
     out = runs / name
-    rows = read_log(out / "log.jsonl") if (out / "log.jsonl").is_file() else []
+    try:
+        rows = [r for r in read_log(out) if "step" in r]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     done = rows[-1]["step"] if rows else 0
     step_s = [float(r["step_s"]) for r in rows if "step_s" in r]
     median = statistics.median(step_s) if step_s else None

@@ -13,9 +13,10 @@ method's rows (``--method``, default ``cepe``), cell by cell:
 - ``needle_val*``: accuracy per total, the mean over depths (higher); the gold answer's NLL (lower) as a
   second metric;
 - ``qa_val``: exact match per k (higher); the gold answers' NLL per k (lower) as a second metric.
-A cell is better or worse by any difference (``--tolerance``, a relative change, widens "same"). A config's
-verdict comes from its first metric's cells: "better" when none is worse and one is better, "worse" the
-other way round, "mixed" with both, "same" with neither; the second metric's verdict is given beside it.
+A cell is better or worse by any difference (``--tolerance``, a relative change, widens "same"; a change
+from zero has no relative size and is left blank). A config's verdict comes from its first metric's
+cells: "better" when none is worse and one is better, "worse" the other way round, "mixed" with both,
+"same" with neither; the second metric's verdict is given beside it.
 The last line applies the replacement rule: no config worse or mixed, and at least one better.
 
 Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
@@ -37,6 +38,7 @@ from cepe.fileio import write_json, write_text
 from cepe.tables import pipe_table
 
 BASE = "results/recipe/mix_fit3/fit150_int8"  # the shipped adapter's validation results
+TASKS = ("fixedppl", "lm", "copy", "needle", "qa")
 VALIDATION = re.compile(r"^(fixedppl_val(_short(_kernel)?)?|lm_val|copy_val|needle_val\d*|qa_val)$")
 
 
@@ -85,9 +87,6 @@ def cells(data: dict[str, Any], method: str) -> dict[str, tuple[float, bool, boo
     return out
 
 
-TASKS = ("fixedppl", "lm", "copy", "needle", "qa")
-
-
 def compare(base: Path, cand: Path, method: str, tolerance: float) -> list[dict[str, Any]]:
     """One row per cell of every validation config both folders hold."""
     names = sorted(
@@ -102,8 +101,8 @@ def compare(base: Path, cand: Path, method: str, tolerance: float) -> list[dict[
         b, c = cells(result(base / name), method), cells(result(cand / name), method)
         for cell in [k for k in c if k in b]:
             (bv, lower, first), (cv, _, _) = b[cell], c[cell]
-            change = (cv - bv) / abs(bv) if bv else (0.0 if cv == bv else float("inf"))
-            if abs(change) <= tolerance:
+            change = (cv - bv) / abs(bv) if bv else None  # none relative to zero
+            if cv == bv or (change is not None and abs(change) <= tolerance):
                 verdict = "same"
             else:
                 verdict = "better" if (cv < bv) == lower else "worse"
@@ -165,7 +164,7 @@ def report(rows: list[dict[str, Any]], base: str, cand: str) -> list[str]:
                 r["cell"],
                 f"{r['base']:.4g}",
                 f"{r['candidate']:.4g}",
-                f"{100 * r['change']:+.2f} %",
+                "" if r["change"] is None else f"{100 * r['change']:+.2f} %",
                 r["verdict"],
             ]
             for r in rows

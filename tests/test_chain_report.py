@@ -19,16 +19,8 @@ def _chain(tmp_path):
     (out / "checkpoints/step_000004").mkdir(parents=True)
     (out / "checkpoints/step_000002").mkdir()
     (out / "status.json").write_text(json.dumps({"state": "done"}))
-    # step 3 logged twice (a resume rewrote the file after it): the last row counts; step 5 was paused
-    rows = [
-        (1, 4.0, 2.0),
-        (2, 2.0, 3.0),
-        (3, 9.0, 1.0),
-        (3, 1.0, 2.0),
-        (4, 3.0, 2.0),
-        (5, 2.0, 600.0),
-        (6, 1.0, 2.0),
-    ]
+    # step 5 was paused (its step time holds the pause)
+    rows = [(1, 4.0, 2.0), (2, 2.0, 3.0), (3, 1.0, 2.0), (4, 3.0, 2.0), (5, 2.0, 600.0), (6, 1.0, 2.0)]
     lines = [json.dumps({"step": s, "loss": loss, "lm_qa": loss / 2, "step_s": t}) for s, loss, t in rows]
     (out / "log.jsonl").write_text("\n".join(lines) + "\n")
     (runs / "b").mkdir()
@@ -72,7 +64,7 @@ def test_unknown_stage_and_a_broken_log_are_refused_with_the_reason(tmp_path):
     with pytest.raises(SystemExit, match="no such stage"):
         mod.stage_row("zzz", runs, configs, every=4, terms=[])
     (runs / "a/log.jsonl").write_text('{"step": 1, "loss": 1.0}\nnot json\n{"step": 2, "loss": 1.0}\n')
-    with pytest.raises(SystemExit, match="log.jsonl:2: not a JSON row"):
+    with pytest.raises(SystemExit, match="log.jsonl:2: not a JSON record"):
         mod.stage_row("a", runs, configs, every=4, terms=[])
     (configs / "d.yaml").write_text("lr: 1.0\n")
     with pytest.raises(SystemExit, match="no positive `steps`"):

@@ -428,3 +428,18 @@ def test_recipe_configs_keep_the_fingerprints_of_their_runs():
     assert sorted(recorded) == [p.stem for p in configs], (
         "tests/recipe_fingerprints.json names a config that is gone"
     )
+
+
+def test_read_log_leaves_out_a_half_written_last_record_and_refuses_other_damage(tmp_path):
+    """The record a running trainer is appending (or a killed one left) is not whole JSON yet: it is left
+    out, so a reader mid-run or a resume after ``kill -9`` does not fail on it; damage before it is refused."""
+    (tmp_path / "log.jsonl").write_text(
+        '{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo'
+    )
+    assert read_log(tmp_path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    (tmp_path / "log.jsonl").write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n'
+    )
+    with pytest.raises(ValueError, match=r"log.jsonl:2: not a JSON record"):
+        read_log(tmp_path)
+    assert read_log(tmp_path / "nowhere") == []

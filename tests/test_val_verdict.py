@@ -103,3 +103,17 @@ def test_bad_folders_are_refused_with_the_reason(tmp_path):
     (cand / "qa_val/qa.json").unlink()
     with pytest.raises(SystemExit, match="expected one cepe eval result"):
         mod.compare(base, cand, "cepe", 0.0)
+
+
+def test_a_change_from_zero_has_no_relative_size_and_the_json_stays_standard(tmp_path):
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (0, 0.2)}, 7.5, 4.0)
+    _folder(cand, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    row = {(r["config"], r["cell"]): r for r in mod.compare(base, cand, "cepe", 0.5)}[
+        "needle_val4", "accuracy, 2048"
+    ]
+    assert row["change"] is None and row["verdict"] == "better"  # no tolerance can make 0 -> 100 the same
+    out = tmp_path / "v"
+    mod.main([str(cand), "--base", str(base), "--out", str(out)])
+    assert "Infinity" not in out.with_suffix(".json").read_text()

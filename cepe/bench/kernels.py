@@ -14,10 +14,12 @@ import torch
 from ..tables import write_rows
 
 
-def shape_parser(description: str, keys: list[int], batch: int) -> argparse.ArgumentParser:
+def shape_parser(
+    description: str, keys: list[int], batch: int, dtype_option: bool = False
+) -> argparse.ArgumentParser:
     """A parser with the shape options (defaults: the default decoder's 9 heads over 3 of 64, T 128), the
-    dtype (bf16 as training on a CPU with bf16 units; fp32 as it trains without them), the repeats and
-    ``--out``."""
+    repeats and ``--out``; with ``dtype_option`` also ``--dtype`` (bf16 as training on a CPU with bf16
+    units, fp32 as it trains without them; without it the benchmark runs bf16)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--keys", type=int, nargs="+", default=keys, help="encoder keys S")
     ap.add_argument("--batch", type=int, default=batch, help="examples B")
@@ -25,13 +27,14 @@ def shape_parser(description: str, keys: list[int], batch: int) -> argparse.Argu
     ap.add_argument("--heads", type=int, default=9, help="query heads")
     ap.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float32"],
-        default="bfloat16",
-        help="q, k, v and the output gradient's dtype (float32: what `bf16: auto` trains in on a CPU without "
-        "bf16 units)",
-    )
+    if dtype_option:
+        ap.add_argument(
+            "--dtype",
+            choices=["bfloat16", "float32"],
+            default="bfloat16",
+            help="q, k, v and the output gradient's dtype (float32: what `bf16: auto` trains in on a CPU "
+            "without bf16 units)",
+        )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     return ap

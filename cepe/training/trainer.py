@@ -136,11 +136,26 @@ def parameter_digest(params: list[nn.Parameter]) -> str:
 
 
 def read_log(output_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``output_dir/log.jsonl``."""
+    """The records of ``output_dir/log.jsonl``. A last line that is not whole JSON is left out: the record a
+    running trainer is appending, or the one a killed process left half-written (a resume rewrites the
+    file up to its checkpoint's step).
+
+    Raises:
+        ValueError: a line before the last is not a JSON record (not a trainer's log).
+    """
     path = Path(output_dir) / LOG_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{n}: not a JSON record; is this a trainer's {LOG_FILE}?") from None
+    return records
 
 
 def _tokens(batch: dict[str, torch.Tensor]) -> int:
