@@ -20,6 +20,7 @@ from cepe.training.head_fit import (
     TokenStats,
     check_recipe,
     fit,
+    fit_device,
     head_names,
     head_nll,
     record_batch,
@@ -421,6 +422,38 @@ def test_config_checks():
         HeadFitConfig(recipe="x.yaml", held_out_every=1)
     with pytest.raises(ValueError, match="steps"):
         HeadFitConfig(recipe="x.yaml", steps=0)
+
+
+def test_the_recording_device_defaults_to_cuda_when_there_is_one(monkeypatch):
+    assert fit_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        fit_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fit_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        fit_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert fit_device(None) == torch.device("cuda")
+    assert fit_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_recorded_stats_and_heads_come_back_in_cpu_memory():
+    g = torch.Generator().manual_seed(0)
+    stats = TokenStats(
+        torch.randn(3, 2, generator=g),
+        None,
+        *(torch.randn(3, generator=g) for _ in range(3)),
+        torch.tensor([True, False, True]),
+        torch.zeros(3, dtype=torch.long),
+        torch.arange(3),
+    )
+    back = stats.cpu()
+    assert back.x_copy is None
+    for k, v in stats.__dict__.items():
+        if v is not None:
+            assert getattr(back, k).device.type == "cpu" and torch.equal(getattr(back, k), v)
+    heads = Heads.from_state({"mix_head.weight": torch.ones(1, 2), "mix_head.bias": torch.zeros(1)})
+    assert heads.w_mix.dtype == torch.float64 and heads.w_mix.device.type == "cpu"
 
 
 def test_held_out_scores_by_kind_and_context_length():

@@ -38,6 +38,9 @@ class HeadFitConfig:
         task_weights: each example kind's weight in the fit's objective (``lm``, ``copy``, ``recall``,
             ``qa``, ``icl``; 1 for a kind not named): the recipe's mix of kinds decides how far the heads
             trust a match, and reweighing it needs no new recording. The held-out scores stay unweighted.
+        device: where the reader records (``cpu``, ``cuda``, ``cuda:1``, ...; default: cuda when available,
+            else cpu). The compute dtype follows the recipe's ``bf16`` on that device; the records and the fit
+            itself stay on the CPU.
         progress: show a progress bar while recording.
     """
 
@@ -52,6 +55,7 @@ class HeadFitConfig:
     compare: list[str] = field(default_factory=list)
     copy_decays: list[float] = field(default_factory=list)
     task_weights: dict[str, float] = field(default_factory=dict)
+    device: str | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -64,6 +64,10 @@ class TokenStats:
     def __len__(self) -> int:
         return int(self.lp_ctx.shape[0])
 
+    def cpu(self) -> TokenStats:
+        """The same statistics in CPU memory."""
+        return TokenStats(**{k: None if v is None else v.cpu() for k, v in self.__dict__.items()})
+
     def select(self, keep: torch.Tensor) -> TokenStats:
         """The tokens where ``keep`` ``(N,)`` is True."""
         return TokenStats(**{k: None if v is None else v[keep] for k, v in self.__dict__.items()})
@@ -99,7 +103,7 @@ class Heads:
 
         def get(name: str) -> torch.Tensor | None:
             t = state.get(name)
-            return None if t is None else t.detach().double().reshape(-1)
+            return None if t is None else t.detach().cpu().double().reshape(-1)
 
         w_mix, b_mix = get("mix_head.weight"), get("mix_head.bias")
         if w_mix is None or b_mix is None:
@@ -318,7 +322,8 @@ def record(
     cfg: TrainConfig, model: nn.Module, stats_dir: Path, steps: int, progress: bool = True
 ) -> TokenStats:
     """Record the stats of the batches of steps ``0 .. steps - 1`` of ``cfg`` into ``stats_dir`` (one file
-    a step, written atomically; a step already there is read, not recomputed) and return them all. The
+    a step, written atomically; a step already there is read, not recomputed) and return them all, in CPU
+    memory. The reader runs where ``model`` is, in the compute dtype of ``cfg.bf16`` on that device. The
     folder names the recipe (its fingerprint) and the compute dtype it was recorded in: records of another
     raise ``ValueError``."""
     from cepe.compute import resolve_bf16
@@ -327,7 +332,8 @@ def record(
     from .speed import hold_frozen_linears
     from .trainer import example_maker
 
-    use_bf16 = resolve_bf16(cfg.bf16, "cpu")
+    dev = next(model.parameters()).device
+    use_bf16 = resolve_bf16(cfg.bf16, dev)
     stats_dir.mkdir(parents=True, exist_ok=True)
     what = {"recipe": cfg.output_dir, "fingerprint": cfg.fingerprint(), "bf16": use_bf16}
     note = stats_dir / RECORDS_FILE
@@ -354,13 +360,13 @@ def record(
     for step in range(steps):
         path = stats_dir / f"step_{step:06d}.pt"
         if path.exists():
-            got = [TokenStats(**d) for d in torch.load(path, weights_only=True)]
+            got = [TokenStats(**d) for d in torch.load(path, weights_only=True, map_location="cpu")]
         else:
             got = []
             for batch in step_batches(cfg, make, step):
-                s = record_batch(model, batch, use_bf16)
+                s = record_batch(model, {k: v.to(dev) for k, v in batch.items()}, use_bf16)
                 if s is not None:
-                    got.append(s)
+                    got.append(s.cpu())
             with atomic_path(path) as tmp:
                 torch.save([s.__dict__ for s in got], tmp)
         parts += got
@@ -548,6 +554,21 @@ def _named(weights: torch.Tensor | None, names: list[str] | None) -> dict[str, f
     )
 
 
+def fit_device(name: str | None) -> torch.device:
+    """The device the reader records on: ``name``, or cuda when available, else cpu."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(
+            f"device {name!r} is not a device torch knows ({e}): give cpu, cuda or cuda:N"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch sees no CUDA device; give cpu (or leave device unset)")
+    return dev
+
+
 def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     """Record, fit, score and write (see the module's docstring); returns what ``fit.json`` holds."""
     from cepe.compute import resolve_bf16
@@ -560,8 +581,9 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
     check_recipe(recipe)
     out = Path(cfg.output_dir or f"{recipe.output_dir}-fit")
     steps = recipe.steps if cfg.steps is None else cfg.steps
+    dev = fit_device(cfg.device)
     t0 = time.time()
-    model = build_model(recipe)
+    model = build_model(recipe).to(dev)
     c = model.cepe_config
     d = int(model.decoder.config.hidden_size)
     names = head_names(c, d)
@@ -635,7 +657,11 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             t_col is not None
         ):  # the top share moves with the decay too (as recorded: the compute dtype's rounding)
             other.x_copy = stats.x_copy.clone()
-            dtype = torch.bfloat16 if resolve_bf16(recipe.bf16, "cpu") else torch.float32
+            dtype = (
+                torch.bfloat16
+                if resolve_bf16(recipe.bf16, next(model.parameters()).device)
+                else torch.float32
+            )
             other.x_copy[:, t_col] = top.to(dtype).float()
         part = other.select(~held)
         heads_d, _ = fit(part, start, cfg.max_iter, cfg.l2, masks, None if weights is None else weights(part))
