@@ -32,6 +32,7 @@ Usage: python scripts/device_kit.py pack [--gguf FILE] [--wheel FILE ...]
        python scripts/device_kit.py pack-probes
        python scripts/device_kit.py slim | unslim
        python scripts/device_kit.py join DIR/NAME ADAPTER_DIR   (an adapter that came back in pieces)
+       python scripts/device_kit.py cut ADAPTER_DIR DIR/NAME    (an adapter in exact pieces, to carry)
        python3 scripts/device_kit.py install
 """
 
@@ -281,9 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("install", help="there: store this call's part; set up once both are there")
     j = sub.add_parser("join", help="here: export pieces that came back (DIR/NAME) into an adapter directory")
     j.add_argument(
-        "prefix", type=Path, help="DIR/NAME of NAME.int8.safetensors.partNN and NAME.cepe_config.json"
+        "prefix",
+        type=Path,
+        help="DIR/NAME of NAME.int8 (or .fp32).safetensors.partNN and NAME.cepe_config.json",
     )
     j.add_argument("dest", type=Path, help="the adapter directory to write")
+    c = sub.add_parser(
+        "cut", help="here: an adapter directory, exact, in pieces that calls can carry (DIR/NAME)"
+    )
+    c.add_argument("adapter", type=Path, help="the adapter directory")
+    c.add_argument(
+        "prefix", type=Path, help="DIR/NAME: writes NAME.fp32.safetensors.partNN, its config and SHA-256"
+    )
     a = ap.parse_args(argv)
     if a.cmd == "pack":
         if not (ROOT / "runs/data/mini/summary.json").is_file():  # call b carries it
@@ -336,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_route import join_pieces  # scripts/ is on the path when this file is run
 
         print(f"wrote the adapter {join_pieces(a.prefix, a.dest)}")
+    elif a.cmd == "cut":
+        from gpu_route import cut_fp32  # scripts/ is on the path when this file is run
+
+        names = cut_fp32(a.adapter, a.prefix.parent, a.prefix.name)
+        print(f"cut {a.adapter} into {len(names)} pieces in {a.prefix.parent}: carry one a call")
     elif a.cmd == "slim":
         slim()
     else:

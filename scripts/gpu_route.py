@@ -15,8 +15,12 @@ stage's measured seconds a step), probes that end too, and writes into OUT:
   given.
 
 ``--given NAME=PATH`` stands a stage's end adapter in for training it (an adapter directory, or the
-prefix DIR/NAME of its export pieces, brought back by an earlier call): the stage counts as done and the
-stages that start from it start from PATH. ``--average NAME STAGE STAGE ...`` writes the equal-weight
+prefix DIR/NAME of its export pieces or of its exact pieces from ``device_kit.py cut``, carried by earlier
+calls): the stage counts as done and the stages that start from it start from PATH. ``--return-fp32 DIR``
+brings back the last finished stage's end exactly instead of the int8 export (a training checkpoint's
+adapter, about 142 MB, in three pieces: the first in OUT, each other for one more call, ``cp
+DIR/NAME.fp32.safetensors.partNN $OUT/``; ``device_kit.py join`` checks and joins them here), so that a
+CPU trains on from it. ``--average NAME STAGE STAGE ...`` writes the equal-weight
 average of those stages' end adapters (``cepe.soup.average_adapters``) to runs/soup/NAME, probes it and
 exports it as the last adapter. ``--parallel`` trains consecutive stages that start from
 the same stage at the same time (an accelerator the route's small batches leave mostly idle; on a CPU they
@@ -25,7 +29,7 @@ corpora that ``bash scripts/setup.sh`` installs); ``--long none`` skips the cont
 
 Usage: python scripts/gpu_route.py --minutes 9 --out DIR [--stages NAME ...] [--given NAME=PATH ...]
        [--average NAME STAGE STAGE ...] [--long NAME|none] [--parallel] [--no-probe] [--keep DIR] [--smoke]
-       [--probe-all [--probe-suffix SUFFIX]]
+       [--probe-all [--probe-suffix SUFFIX]] [--return-fp32 DIR]
        python scripts/gpu_route.py --minutes 2 --out DIR --export-rank N
 
 ``--probe-all`` probes every stage this run trained (its last checkpoint, also one a deadline stopped)
@@ -45,6 +49,7 @@ deadline gets SIGTERM, which writes a checkpoint (``--resume`` continues it exac
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -78,6 +83,7 @@ TINY = {
     "seed": 0,
 }
 PIECE = 15 * 2**20
+FP32_PIECE = 48 * 2**20  # three pieces hold a 142 MB adapter; one fits a call with the tree
 SMOKE_STEPS = 3
 # a stage's init_adapter when it starts from another stage's checkpoint
 _INIT = re.compile(r"^runs/recipe/([A-Za-z0-9_.-]+)/checkpoints/step_\d+/adapter/?$")
@@ -147,24 +153,78 @@ def check_starts(stages: list[str], given: dict[str, Path], end_of) -> None:
         trained.add(name)
 
 
+def cut_fp32(adapter: Path, dest: Path, name: str, piece: int | None = None) -> list[str]:
+    """An adapter directory as it is (its own dtype, fp32 for a training checkpoint's), cut into
+    ``NAME.fp32.safetensors.partNN`` pieces of at most ``piece`` bytes in ``dest``, with
+    ``NAME.cepe_config.json`` and ``NAME.sha256`` (the file's SHA-256, checked by :func:`join_pieces`): an
+    exact copy that travels in calls of the device's size, to train on from where it stands. The pieces'
+    names. ``piece``: default ``FP32_PIECE``."""
+    piece = piece or FP32_PIECE
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(adapter / "cepe_config.json", dest / f"{name}.cepe_config.json")
+    (dest / f"{name}.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    names = []
+    for i in range(math.ceil(len(data) / piece)):
+        part = dest / f"{name}.fp32.safetensors.part{i:02d}"
+        part.write_bytes(data[i * piece : (i + 1) * piece])
+        names.append(part.name)
+    return names
+
+
+def return_fp32(stages: list[str], runs: Path, end_of, keep: Path, out: Path) -> dict | None:
+    """Cut the end adapter of the last of ``stages`` that is done (``end_of(name)``) into exact pieces in
+    ``keep`` (:func:`cut_fp32`) and copy the first, the config and the SHA-256 into ``out``; what was cut
+    (None where no stage is done)."""
+    finished = [n for n in stages if _done(runs / n)]
+    if not finished:
+        return None
+    name = finished[-1]
+    pieces = cut_fp32(end_of(name), keep, name)
+    now = [pieces[0], f"{name}.cepe_config.json", f"{name}.sha256"]
+    out.mkdir(parents=True, exist_ok=True)
+    for f in now:
+        shutil.copy(keep / f, out / f)
+    later = " ".join(f"`cp {keep / p} $OUT/`" for p in pieces[1:])
+    print(f"{name}'s end adapter: {pieces[0]} in {out}; the next calls: {later or 'none'}", flush=True)
+    return {"stage": name, "pieces": pieces, "in_out": now, "dir": str(keep)}
+
+
 def join_pieces(prefix: Path, dest: Path) -> Path:
-    """The inverse of :func:`export_int8`: ``PREFIX.int8.safetensors.partNN`` in order plus
-    ``PREFIX.cepe_config.json`` make the adapter directory ``dest`` (returned)."""
-    pieces = sorted(prefix.parent.glob(f"{prefix.name}.int8.safetensors.part[0-9][0-9]"))
+    """The inverse of :func:`export_int8` and :func:`cut_fp32`: ``PREFIX.int8.safetensors.partNN`` (or
+    ``.fp32.``) in order plus ``PREFIX.cepe_config.json`` make the adapter directory ``dest`` (returned);
+    ``PREFIX.sha256``, where present, must match the joined file."""
+    kinds = {
+        k: sorted(prefix.parent.glob(f"{prefix.name}.{k}.safetensors.part[0-9][0-9]"))
+        for k in ("int8", "fp32")
+    }
+    found = [k for k, v in kinds.items() if v]
     config = prefix.parent / f"{prefix.name}.cepe_config.json"
-    if not pieces or not config.is_file():
+    if len(found) != 1 or not config.is_file():
         raise SystemExit(
-            f"error: {prefix} is neither an adapter directory nor the prefix of export pieces "
-            f"({prefix.name}.int8.safetensors.part00 ... and {prefix.name}.cepe_config.json)"
+            f"error: {prefix} is neither an adapter directory nor the prefix of one set of pieces "
+            f"({prefix.name}.int8.safetensors.part00 ... or {prefix.name}.fp32.safetensors.part00 ..., and "
+            f"{prefix.name}.cepe_config.json; found pieces: {found or 'none'})"
         )
+    pieces = kinds[found[0]]
     numbers = [int(p.name[-2:]) for p in pieces]
     if numbers != list(range(len(pieces))):
         raise SystemExit(f"error: pieces of {prefix} are missing: found parts {numbers}")
     dest.mkdir(parents=True, exist_ok=True)
     tmp = dest / "adapter_model.safetensors.tmp"
+    h = hashlib.sha256()
     with open(tmp, "wb") as fh:
         for piece in pieces:
-            fh.write(piece.read_bytes())
+            data = piece.read_bytes()
+            h.update(data)
+            fh.write(data)
+    want = prefix.parent / f"{prefix.name}.sha256"
+    if want.is_file() and want.read_text().split()[0] != h.hexdigest():
+        tmp.unlink()
+        raise SystemExit(
+            f"error: the pieces of {prefix} join into a file whose SHA-256 is not {want.name}'s: a piece is "
+            "damaged or from another adapter; bring them again"
+        )
     os.replace(tmp, dest / "adapter_model.safetensors")
     shutil.copy(config, dest / "cepe_config.json")
     return dest
@@ -403,6 +463,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="probe every trained stage and given adapter; export the best",
     )
+    ap.add_argument(
+        "--return-fp32",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="cut the last finished stage's end adapter, exact, into pieces in DIR (the first also into --out, "
+        "the others for the next calls to bring back); no int8 export then",
+    )
     ap.add_argument("--probe-suffix", default="", help="appended to each name the probes write under")
     ap.add_argument(
         "--export-rank", type=int, default=None, metavar="N", help="export the N-th of an earlier --probe-all"
@@ -546,7 +614,11 @@ def main(argv: list[str] | None = None) -> int:
         if probing:
             probe(*done_last, timeline)
         last = done_last
-    if last and not args.smoke:
+    if args.return_fp32 is not None:
+        returned = return_fp32(stages, runs, end_of, args.return_fp32, args.out)
+        if returned:
+            timeline["returned"] = returned
+    elif last and not args.smoke:
         path = adapter or runs / last[0] / f"checkpoints/step_{last[1]:06d}/adapter"
         timeline["exported"] = export_int8(path, args.out, last[0])
     timeline["seconds"] = round(time.time() - t0, 1)

@@ -132,6 +132,45 @@ def test_given_pieces_join_back_and_an_adapter_directory_is_used_as_it_is(tmp_pa
         mod.parse_given(["fast_fold_qa2"], tmp_path / "joined")
 
 
+def test_exact_pieces_join_back_checked_and_the_last_finished_stage_returns(tmp_path, monkeypatch):
+    mod = load_script("gpu_route")
+    payload = bytes(range(256)) * 53  # 13,568 bytes
+    adapter = tmp_path / "read_lm" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_bytes(payload)
+    (adapter / "cepe_config.json").write_text('{"k": 2}')
+    names = mod.cut_fp32(adapter, tmp_path / "pieces", "read_lm", piece=5000)
+    assert names == [f"read_lm.fp32.safetensors.part{i:02d}" for i in range(3)]
+    given = mod.parse_given([f"read_lm={tmp_path / 'pieces' / 'read_lm'}"], tmp_path / "joined")
+    assert (given["read_lm"] / "adapter_model.safetensors").read_bytes() == payload
+    assert (given["read_lm"] / "cepe_config.json").read_text() == '{"k": 2}'
+    part = tmp_path / "pieces" / names[1]
+    part.write_bytes(b"x" + part.read_bytes()[1:])  # one damaged byte
+    with pytest.raises(SystemExit, match="SHA-256"):
+        mod.join_pieces(tmp_path / "pieces" / "read_lm", tmp_path / "again")
+    assert not (tmp_path / "again" / "adapter_model.safetensors").exists()
+    (tmp_path / "pieces" / "read_lm.int8.safetensors.part00").write_bytes(b"")
+    with pytest.raises(SystemExit, match="one set of pieces"):  # two kinds of pieces: which is meant?
+        mod.join_pieces(tmp_path / "pieces" / "read_lm", tmp_path / "again")
+
+    runs = tmp_path / "runs"
+    for name, state in (("a", "done"), ("b", "done"), ("c", "stopped")):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "status.json").write_text(json.dumps({"state": state}))
+    ends = {"a": tmp_path / "nowhere", "b": adapter}
+    monkeypatch.setattr(mod, "FP32_PIECE", 6000)
+    got = mod.return_fp32(["a", "b", "c"], runs, ends.__getitem__, tmp_path / "keep", tmp_path / "out")
+    assert got["stage"] == "b" and len(got["pieces"]) == 3
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["b.fp32.safetensors.part00", "b.cepe_config.json", "b.sha256"]
+    )
+    for p in got["pieces"][1:]:  # the later calls' pieces, brought next to the first
+        (tmp_path / "out" / p).write_bytes((tmp_path / "keep" / p).read_bytes())
+    back = mod.join_pieces(tmp_path / "out" / "b", tmp_path / "back")
+    assert (back / "adapter_model.safetensors").read_bytes() == payload
+    assert mod.return_fp32(["c"], runs, ends.__getitem__, tmp_path / "keep2", tmp_path / "out2") is None
+
+
 def test_siblings_train_together_only_when_asked():
     mod = load_script("gpu_route")
     route = ["fast_fold_qa2", "fast_fold_gates", "fast_fold_break_only"]
