@@ -657,11 +657,7 @@ def run_head_fit(cfg: HeadFitConfig) -> dict[str, Any]:
             t_col is not None
         ):  # the top share moves with the decay too (as recorded: the compute dtype's rounding)
             other.x_copy = stats.x_copy.clone()
-            dtype = (
-                torch.bfloat16
-                if resolve_bf16(recipe.bf16, next(model.parameters()).device)
-                else torch.float32
-            )
+            dtype = torch.bfloat16 if resolve_bf16(recipe.bf16, dev) else torch.float32
             other.x_copy[:, t_col] = top.to(dtype).float()
         part = other.select(~held)
         heads_d, _ = fit(part, start, cfg.max_iter, cfg.l2, masks, None if weights is None else weights(part))
