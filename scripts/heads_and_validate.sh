@@ -11,6 +11,8 @@
 #   cepe export --model runs/recipe/NAME-fit/adapter --out runs/recipe/NAME-fit/int8 --quantize int8
 #   ONLY=CONFIG bash scripts/eval_val.sh runs/recipe/NAME-fit/int8 results/recipe/NAME/fit150_int8  (each)
 #   python scripts/val_verdict.py results/recipe/NAME/fit150_int8 --out results/recipe/NAME/val_verdict
+# An evaluation that fails is logged and the others go on (the verdict then names it as not evaluated and
+# rules the replacement out); any other error stops the pipeline with a line in the log.
 # Log: runs/recipe/heads.log; pid: runs/recipe/heads.pid. Pause it for other work as the chain
 # (kill -STOP / -CONT on the running `cepe` process).
 set -euo pipefail
@@ -62,13 +64,18 @@ pipeline() {
     for cfg in $VAL; do
       if ! ls "$res/$cfg/"*.json > /dev/null 2>&1; then
         log "$name: $cfg"
-        ONLY=$cfg bash scripts/eval_val.sh "$fit/int8" "$res"
+        # one evaluation that fails does not stop the others; the verdict names it as not evaluated
+        ONLY=$cfg bash scripts/eval_val.sh "$fit/int8" "$res" ||
+          log "$name: $cfg failed ($res/$cfg.log); going on, rerun this command once it is fixed"
       fi
     done
     python scripts/val_verdict.py "$res" --out "results/recipe/$name/val_verdict" | tail -1
     log "$name: done (results/recipe/$name/val_verdict.md)"
   done
 }
-nohup bash -c "$(declare -f pipeline); VAL='$VAL' pipeline $*" >> runs/recipe/heads.log 2>&1 &
+# (a subshell, not `pipeline || ...`, which would switch off set -e inside it)
+nohup bash -c "$(declare -f pipeline); (VAL='$VAL' pipeline $*); rc=\$?; [ \$rc -eq 0 ] ||
+  { echo \"\$(date -u +%FT%TZ) stopped by an error (exit \$rc): fix it, then rerun bash scripts/heads_and_validate.sh $*\"; exit \$rc; }" \
+  >> runs/recipe/heads.log 2>&1 &
 echo $! > runs/recipe/heads.pid
 echo "started heads_and_validate $* (pid $(cat runs/recipe/heads.pid)), log runs/recipe/heads.log"

@@ -17,7 +17,9 @@ A cell is better or worse by any difference (``--tolerance``, a relative change,
 from zero has no relative size and is left blank). A config's verdict comes from its first metric's
 cells: "better" when none is worse and one is better, "worse" the other way round, "mixed" with both,
 "same" with neither; the second metric's verdict is given beside it.
-The last line applies the replacement rule: no config worse or mixed, and at least one better.
+The last line applies the replacement rule: no config worse or mixed, and at least one better; a
+validation config the base holds and the candidate lacks (an evaluation that failed or was not run) is
+named there and rules the replacement out until it is run.
 
 Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
     [--method cepe] [--tolerance 0] [--out OUT]
@@ -120,6 +122,15 @@ def compare(base: Path, cand: Path, method: str, tolerance: float) -> list[dict[
     return rows
 
 
+def missing(base: Path, cand: Path) -> list[str]:
+    """Validation configs with results in ``base`` and none in ``cand``."""
+    return sorted(
+        p.name
+        for p in base.iterdir()
+        if VALIDATION.match(p.name) and any(p.glob("*.json")) and not any((cand / p.name).glob("*.json"))
+    )
+
+
 def verdict_of(verdicts: set[str]) -> str:
     """better / worse / mixed / same from the cells' verdicts ("" without cells)."""
     if not verdicts:
@@ -141,19 +152,29 @@ def config_verdicts(rows: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def rule(verdicts: dict[str, tuple[str, str]]) -> tuple[bool, str]:
-    """The replacement rule over the configs' first-metric verdicts, and the line that says it."""
+def rule(verdicts: dict[str, tuple[str, str]], absent: list[str] | tuple[str, ...] = ()) -> tuple[bool, str]:
+    """The replacement rule over the configs' first-metric verdicts, and the line that says it.
+
+    ``absent``: validation configs the base holds and the candidate lacks; any rules a replacement out.
+    """
     against = [f"{n}: {v[0]}" for n, v in verdicts.items() if v[0] in ("worse", "mixed")]
     better = [n for n, v in verdicts.items() if v[0] == "better"]
-    ok = not against and bool(better)
-    why = f"worse or mixed on {', '.join(against)}" if against else "better on none" if not better else ""
+    ok = not against and bool(better) and not absent
+    reasons = [f"worse or mixed on {', '.join(against)}"] if against else []
+    if absent:
+        reasons.append(f"not evaluated: {', '.join(absent)} (ONLY=CONFIG bash scripts/eval_val.sh)")
+    if not better:
+        reasons.append("better on none")
+    why = "; ".join(reasons)
     line = "replaces the shipped adapter by the rule (no config worse or mixed, at least one better): " + (
         f"yes (better on {', '.join(better)})" if ok else f"no ({why})"
     )
     return ok, line
 
 
-def report(rows: list[dict[str, Any]], base: str, cand: str) -> list[str]:
+def report(
+    rows: list[dict[str, Any]], base: str, cand: str, absent: list[str] | tuple[str, ...] = ()
+) -> list[str]:
     verdicts = config_verdicts(rows)
     lines = [f"# validation: {cand} against {base}", ""]
     lines += pipe_table(
@@ -171,7 +192,9 @@ def report(rows: list[dict[str, Any]], base: str, cand: str) -> list[str]:
         ],
     )
     lines += ["", *pipe_table(["config", "verdict", "answer NLL"], [[n, *v] for n, v in verdicts.items()])]
-    lines += ["", rule(verdicts)[1]]
+    if absent:
+        lines += ["", f"not evaluated for the candidate: {', '.join(absent)}"]
+    lines += ["", rule(verdicts, absent)[1]]
     return lines
 
 
@@ -192,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tolerance < 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     rows = compare(base, cand, args.method, args.tolerance)
-    lines = report(rows, args.base, args.candidate)
+    absent = missing(base, cand)
+    lines = report(rows, args.base, args.candidate, absent)
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
@@ -203,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             "method": args.method,
             "tolerance": args.tolerance,
             "verdicts": config_verdicts(rows),
-            "replaces": rule(config_verdicts(rows))[0],
+            "not_evaluated": absent,
+            "replaces": rule(config_verdicts(rows), absent)[0],
         }
         write_json(out.with_suffix(".json"), {"meta": meta, "rows": rows}, indent=1)
         write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")

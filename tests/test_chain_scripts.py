@@ -338,7 +338,9 @@ case "$1" in
   export) mkdir -p "$5" && echo '{}' > "$5/cepe_config.json" ;;
   prepare-data) mkdir -p runs/data/mini_kernel && echo '{}' > runs/data/mini_kernel/summary.json ;;
   eval) for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
-        cfg=$(basename "$out"); mkdir -p "$out"
+        cfg=$(basename "$out")
+        if [ "$cfg" = "${FAIL_EVAL:-}" ]; then echo "error: $cfg cannot be computed" >&2; exit 1; fi
+        mkdir -p "$out"
         cp "$BASE/$cfg/"*.json "$out/" ;;
 esac
 """
@@ -388,6 +390,43 @@ def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
         verdict = (root / f"results/recipe/{name}/val_verdict.md").read_text()
         assert verdict.rstrip().endswith("no (better on none)")  # the shipped adapter's own numbers: a tie
         assert f"{name}: done" in log
+
+
+def test_heads_and_validate_goes_on_past_a_failed_evaluation_and_logs_a_stop(tmp_path):
+    """One evaluation that fails is logged and the rest run (the verdict names it as not evaluated and
+    rules the replacement out); an error elsewhere stops the pipeline with a line in the log."""
+    root = _tree(tmp_path)
+    for rel in ("scripts/heads_and_validate.sh", "scripts/eval_val.sh", "scripts/val_verdict.py"):
+        shutil.copy(ROOT / rel, root / rel)
+    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
+    base = root / "results/recipe/mix_fit3/fit150_int8"
+    shutil.copytree(ROOT / "results/recipe/mix_fit3/fit150_int8", base)
+    (root / "adapters/smollm2-135m-cepe").mkdir(parents=True)
+    fake = root / "fakebin/cepe"
+    fake.parent.mkdir()
+    fake.write_text(_FAKE_CEPE)
+    fake.chmod(0o755)
+    calls = root / "calls.txt"
+    activate = root / ".venv/bin/activate"
+    activate.write_text(
+        f'export PATH="{fake.parent}:$PATH" CALLS="{calls}" BASE="{base}" PYTHONPATH="{ROOT}"'
+        " FAIL_EVAL=fixedppl_val_short_kernel\n"
+    )
+    run = ["bash", "scripts/heads_and_validate.sh", "mix_fit14"]
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    log = (root / "runs/recipe/heads.log").read_text()
+    assert "mix_fit14: fixedppl_val_short_kernel failed" in log and "mix_fit14: done" in log
+    assert len([c for c in calls.read_text().splitlines() if c.startswith("cepe eval")]) == 9  # the rest ran
+    verdict = (root / "results/recipe/mix_fit14/val_verdict.md").read_text()
+    assert "not evaluated: fixedppl_val_short_kernel" in verdict.rstrip().splitlines()[-1]
+    # the export fails: the pipeline stops there and says so
+    shutil.rmtree(root / "runs/recipe/mix_fit14-fit/int8")
+    fake.write_text(_FAKE_CEPE.replace('  export) mkdir -p "$5"', '  export) exit 3; mkdir -p "$5"'))
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    tail = (root / "runs/recipe/heads.log").read_text()[len(log) :]
+    assert "stopped by an error (exit 3)" in tail and "mix_fit14: done" not in tail
 
 
 def test_heads_and_validate_refuses_unknown_recipes_and_gives_up_waiting_without_a_chain(tmp_path):

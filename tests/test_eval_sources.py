@@ -50,3 +50,26 @@ def test_several_non_overlapping_windows_per_document():
     starts = sorted(w[0] for w in many if w[0] >= 2000)
     assert len(starts) == 3 and all(b - a >= 50 for a, b in zip(starts, starts[1:]))
     assert sample_sequences(docs, 50, 10, seed=0, per_document=3) == many  # deterministic
+
+
+def test_corpus_sources_download_only_when_asked(monkeypatch):
+    import yaml
+
+    import cepe.data.corpora as corpora
+
+    asked = []
+
+    def fake_load(name, download=True):
+        asked.append((name, download))
+        return iter([{"id": "a", "text": "x"}])
+
+    monkeypatch.setattr(corpora, "load_corpus", fake_load)
+    list(iter_source({"corpus": "linux-docs"}))
+    list(iter_source({"corpus": "linux-docs", "download": True}))
+    assert asked == [("linux-docs", False), ("linux-docs", True)]
+    # the kernel curve is computed on a fresh machine: its package is fetched, not an error
+    from pathlib import Path
+
+    with open(Path(__file__).parents[1] / "configs/eval/fixedppl_val_short_kernel.yaml") as f:
+        sources = yaml.safe_load(f)["sources"]
+    assert sources and all(s.get("download") is True for s in sources)

@@ -87,6 +87,26 @@ def test_cells_verdicts_and_the_replacement_rule(tmp_path, capsys):
     assert not mod.rule({"qa_val": ("same", "better")})[0]  # better on none
 
 
+def test_a_config_the_candidate_lacks_rules_the_replacement_out(tmp_path, capsys):
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2), (2048, 0.5): (0, 0.4)}, 7.5, 4.0)
+    # better everywhere it was evaluated, but its needle evaluation failed (only the log is there)
+    _folder(cand, (99.0, 7.5, 7.5), {(2048, 0.0): (100, 0.3)}, 7.5, 3.0, lm=(15, 12))
+    for f in (cand / "needle_val4").glob("*.json"):
+        f.unlink()
+    assert mod.missing(base, cand) == ["needle_val4"]
+    verdicts = mod.config_verdicts(mod.compare(base, cand, "cepe", 0.0))
+    assert mod.rule(verdicts)[0] is True  # on what both hold it would replace
+    ok, line = mod.rule(verdicts, mod.missing(base, cand))
+    assert not ok and "not evaluated: needle_val4" in line
+    out = tmp_path / "verdict"
+    assert mod.main([str(cand), "--base", str(base), "--out", str(out)]) == 0
+    meta = json.loads(out.with_suffix(".json").read_text())["meta"]
+    assert meta["not_evaluated"] == ["needle_val4"] and meta["replaces"] is False
+    assert "not evaluated for the candidate: needle_val4" in capsys.readouterr().out
+
+
 def test_bad_folders_are_refused_with_the_reason(tmp_path):
     mod = load_script("val_verdict")
     base, cand = tmp_path / "base", tmp_path / "cand"

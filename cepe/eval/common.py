@@ -122,7 +122,9 @@ def iter_source(source: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
     A spec is ``{"corpus": <bundled name>}`` (see :mod:`cepe.data.corpora`), ``{"path": <file or dir>,
     "text_field": "text"}`` (JSONL, JSON, parquet, text files), or ``{"documents": [{"text": ...}, ...]}``
-    (inline, for tests). ``name`` renames the domain, ``max_documents`` caps the count.
+    (inline, for tests). ``name`` renames the domain, ``max_documents`` caps the count. ``download:
+    true`` lets a ``corpus`` that comes from a Debian package be fetched into the cache when it is not
+    there (otherwise that is an error naming the command that fetches it).
 
     ``split`` (``"train" | "test" | "retrieval"``) keeps only the documents of that split of the
     deterministic document-level split used for training: its seed and fractions are read from
