@@ -305,3 +305,33 @@ def test_teacher_context_shortens_the_taught_lm_examples_only(tmp_path):
         _cfg(tmp_path, teacher_tasks=["recall"], teacher_context=n, **mixed)
     with pytest.raises(ValueError, match="positive multiple of chunk_length"):
         _cfg(tmp_path, teacher_tasks=["lm"], teacher_context=n + 1, **mixed)
+
+
+def test_teacher_context_longer_than_a_drawn_layouts_context_keeps_that_context_whole(tmp_path):
+    """With ``context_chunks``, a layout whose whole context is within ``teacher_context`` has nothing to
+    cut: the config is accepted and that layout's lm examples are those it builds without the option."""
+    from cepe.training.data import at_layout
+
+    mixed = {
+        "tasks": {"lm": 1},
+        "recall_cue": 2,
+        "recall_span": [2, 4],
+        "chunk_noise": 0.0,
+        "context_chunks": [1, 4],
+    }
+    n = 8  # chunk_length of the tiny config; 4 chunks
+    cut = _cfg(tmp_path, teacher_tasks=["lm"], teacher_context=2 * n, **mixed)
+    plain = _cfg(tmp_path, teacher_tasks=["lm"], **mixed)
+    src = window_source(cut, 128)
+    for i in range(4):
+        c1, w1 = at_layout(cut, src[i], None, 1)
+        p1, v1 = at_layout(plain, src[i], None, 1)
+        assert c1.teacher_context is None and torch.equal(w1, v1)
+        one = build_example(c1, w1, i, None)
+        assert torch.equal(
+            one["encoder_attention_mask"], build_example(p1, v1, i, None)["encoder_attention_mask"]
+        )
+        assert one["encoder_attention_mask"].all()
+        c4, w4 = at_layout(cut, src[i], None, 4)
+        four = build_example(c4, w4, i, None)["encoder_attention_mask"]
+        assert c4.teacher_context == 2 * n and not four[:2].any() and four[2:].all()

@@ -283,7 +283,8 @@ class TrainConfig:
         teacher_context: mixed stage with ``online_teacher`` and ``lm`` among ``teacher_tasks``: ``lm``
             examples keep only the last ``teacher_context`` tokens of their context (whole chunks; for the
             student and the teacher), so continuation is distilled at a length where the decoder reads well
-            while the other kinds keep the full K·L. None = the full length.
+            while the other kinds keep the full K·L. None = the full length. With ``context_chunks``, a
+            layout whose context is already that short keeps it whole.
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
@@ -695,13 +696,17 @@ class TrainConfig:
     def at_layout(self, n_decoder: int | None = None, n_chunks: int | None = None) -> TrainConfig:
         """This config with ``n_decoder`` decoder tokens (one of ``decoder_lengths``) and ``n_chunks``
         encoder chunks (one of ``context_chunks``), None keeping its own: the layout of one micro-batch's
-        examples, validated as a config of its own (a layout it cannot build raises ValueError)."""
+        examples, validated as a config of its own (a layout it cannot build raises ValueError). A layout
+        whose whole context is no longer than ``teacher_context`` has nothing to cut: it keeps it all."""
+        k = self.n_chunks if n_chunks is None else n_chunks
+        tc = self.teacher_context
         return dataclasses.replace(
             self,
             n_decoder=self.n_decoder if n_decoder is None else n_decoder,
-            n_chunks=self.n_chunks if n_chunks is None else n_chunks,
+            n_chunks=k,
             decoder_lengths=None,
             context_chunks=None,
+            teacher_context=None if tc is not None and tc >= k * self.chunk_length else tc,
         )
 
     # ------------------------------------------------------------------ derived sizes
