@@ -273,6 +273,11 @@ def test_cost_model_counts_the_teacher_for_its_share_of_examples(tmp_path):
     f_all, f_quarter, f_none = (step_flops(c, model)["forward"] for c in (every, quarter, none))
     assert f_none < f_quarter < f_all
     assert abs((f_quarter - f_none) - 0.25 * (f_all - f_none)) <= 2 * every.batch_size
+    # teacher_context: the taught lm examples' teacher reads the cut context, not the whole K·L
+    k, n = every.n_chunks, every.chunk_length
+    cut = _cfg(tmp_path, teacher_tasks=["lm"], teacher_context=n, **mixed)
+    whole = _cfg(tmp_path, teacher_tasks=["lm"], teacher_context=k * n, **mixed)
+    assert f_none < step_flops(cut, model)["forward"] < f_quarter == step_flops(whole, model)["forward"]
 
 
 def test_teacher_context_shortens_the_taught_lm_examples_only(tmp_path):

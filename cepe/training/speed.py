@@ -429,12 +429,21 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         ):
             fwd_lin += head  # the reader's logits again, once for both (at most)
     if getattr(cfg, "online_teacher", False):  # the decoder alone over the context and the decoder tokens
-        t = min(s + n, getattr(model.decoder.config, "max_position_embeddings", None) or s + n)
-        share = 1.0  # the expected share of examples the teacher runs for (teacher_tasks)
-        if getattr(cfg, "teacher_tasks", None) is not None:
-            share = sum(float(cfg.tasks[k]) for k in cfg.teacher_tasks) / sum(map(float, cfg.tasks.values()))
-        fwd_lin += round(share * (dec.layers * 2 * t * dec.linear_params_per_layer + head))
-        fwd_att += round(share * dec.layers * 4 * causal_pairs(0, t) * dec.heads * dec.head_dim)
+        limit = getattr(model.decoder.config, "max_position_embeddings", None) or s + n
+        kinds = getattr(cfg, "teacher_tasks", None)
+        if kinds is None:  # every example, at its full context
+            runs = [(1.0, s)]
+        else:  # the expected share of examples of each taught kind; lm's context cut to teacher_context
+            total = sum(map(float, cfg.tasks.values()))
+            cut = getattr(cfg, "teacher_context", None)
+            runs = [
+                (float(cfg.tasks[k]) / total, min(s, cut) if k == "lm" and cut is not None else s)
+                for k in kinds
+            ]
+        for share, ctx in runs:
+            t = min(ctx + n, limit)
+            fwd_lin += round(share * (dec.layers * 2 * t * dec.linear_params_per_layer + head))
+            fwd_att += round(share * dec.layers * 4 * causal_pairs(0, t) * dec.heads * dec.head_dim)
     return {
         "forward": b * (fwd_lin + fwd_att),
         "backward": b * (bwd_lin + bwd_att),
