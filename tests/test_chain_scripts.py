@@ -346,9 +346,9 @@ esac
 """
 
 
-def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
-    """``heads_and_validate.sh`` fits, exports, runs every validation config and the verdict for each heads
-    recipe, preparing the kernel data where the recipe reads it; run again, it redoes nothing."""
+def _heads_tree(tmp_path: Path, env: str = "") -> tuple[Path, Path, Path]:
+    """A tree for heads_and_validate.sh with a stand-in cepe: (root, the stand-in, its calls file); ``env``
+    adds variable assignments to what the stand-in venv exports."""
     root = _tree(tmp_path)
     for rel in ("scripts/heads_and_validate.sh", "scripts/eval_val.sh", "scripts/val_verdict.py"):
         shutil.copy(ROOT / rel, root / rel)
@@ -362,8 +362,15 @@ def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
     fake.chmod(0o755)
     calls = root / "calls.txt"
     (root / ".venv/bin/activate").write_text(
-        f'export PATH="{fake.parent}:$PATH" CALLS="{calls}" BASE="{base}" PYTHONPATH="{ROOT}"\n'
+        f'export PATH="{fake.parent}:$PATH" CALLS="{calls}" BASE="{base}" PYTHONPATH="{ROOT}" {env}\n'
     )
+    return root, fake, calls
+
+
+def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
+    """``heads_and_validate.sh`` fits, exports, runs every validation config and the verdict for each heads
+    recipe, preparing the kernel data where the recipe reads it; run again, it redoes nothing."""
+    root, _, calls = _heads_tree(tmp_path)
     for _ in range(2):
         proc = subprocess.run(
             ["bash", "scripts/heads_and_validate.sh", "mix_fit14", "mix_fit14k"],
@@ -395,23 +402,7 @@ def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
 def test_heads_and_validate_goes_on_past_a_failed_evaluation_and_logs_a_stop(tmp_path):
     """One evaluation that fails is logged and the rest run (the verdict names it as not evaluated and
     rules the replacement out); an error elsewhere stops the pipeline with a line in the log."""
-    root = _tree(tmp_path)
-    for rel in ("scripts/heads_and_validate.sh", "scripts/eval_val.sh", "scripts/val_verdict.py"):
-        shutil.copy(ROOT / rel, root / rel)
-    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
-    base = root / "results/recipe/mix_fit3/fit150_int8"
-    shutil.copytree(ROOT / "results/recipe/mix_fit3/fit150_int8", base)
-    (root / "adapters/smollm2-135m-cepe").mkdir(parents=True)
-    fake = root / "fakebin/cepe"
-    fake.parent.mkdir()
-    fake.write_text(_FAKE_CEPE)
-    fake.chmod(0o755)
-    calls = root / "calls.txt"
-    activate = root / ".venv/bin/activate"
-    activate.write_text(
-        f'export PATH="{fake.parent}:$PATH" CALLS="{calls}" BASE="{base}" PYTHONPATH="{ROOT}"'
-        " FAIL_EVAL=fixedppl_val_short_kernel\n"
-    )
+    root, fake, calls = _heads_tree(tmp_path, "FAIL_EVAL=fixedppl_val_short_kernel")
     run = ["bash", "scripts/heads_and_validate.sh", "mix_fit14"]
     assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
     _wait(root / "runs/recipe/heads.pid", 120)
