@@ -300,7 +300,7 @@ def mixed_example(
         if cfg.context_drop > 0:
             mask = context_drop_mask(mask, cfg.context_drop, example_generator(seed, _DROP_TAG, index))
         if cfg.teacher_context is not None:  # the teacher's examples at its own, shorter length
-            mask = _drop_first_chunks(mask, max(0, mask.shape[0] - cfg.teacher_context // mask.shape[1]))
+            mask = _drop_first_chunks(mask, mask.shape[0] - cfg.teacher_context // mask.shape[1])
     elif kind == "copy":
         flat = enc.reshape(-1)
         if cfg.copy_shuffle and float(torch.rand((), generator=g)) < cfg.copy_shuffle:
