@@ -195,6 +195,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     assert set(held["fitted"]["by_task"]) <= {"lm", "copy", "recall"}
     assert json.loads((out / "fit.json").read_text())["iterations"] == got["iterations"]
     assert "Held-out NLL" in (out / "fit.md").read_text() and (out / "fit.png").is_file()
+    assert "over this reader's records, not that adapter's reader" in (out / "fit.md").read_text()
     saved = Heads.from_state(load_adapter_file(out / "adapter" / "adapter_model.safetensors"))
     assert json.loads((out / "adapter" / "cepe_config.json").read_text())["mix_length_cap"] == 4096
     w = got["weights"]["mix_head"]

@@ -733,6 +733,12 @@ def report_markdown(result: dict[str, Any]) -> str:
         *pipe_table(["heads", "NLL", "perplexity", *kinds], rows),
         "",
     ]
+    if any(name.startswith("compare:") for name in held):
+        lines += [
+            "`compare:PATH`: that adapter's heads over this reader's records, not that adapter's reader: "
+            "it compares heads, not readers (`cepe eval` on each adapter compares the two).",
+            "",
+        ]
     bins = [
         b
         for b in map(_bin_name, range(len(LENGTH_BINS)))
