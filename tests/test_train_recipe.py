@@ -137,6 +137,9 @@ def test_fingerprint_unchanged_by_new_defaults(tmp_path):
         "online_teacher",
         "teacher_tasks",
         "teacher_context",
+        "teacher_adapter",
+        "teacher_drop_mixture",
+        "teacher_max_context",
         "projection_fit_tokens",
     ):
         d.pop(key)

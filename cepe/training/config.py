@@ -285,6 +285,18 @@ class TrainConfig:
             student and the teacher), so continuation is distilled at a length where the decoder reads well
             while the other kinds keep the full K·L. None = the full length. With ``context_chunks``, a
             layout whose context is already that short keeps it whole.
+        teacher_adapter: with ``online_teacher``: the teacher is this CEPE adapter (a directory
+            :meth:`cepe.modeling.CepeForCausalLM.from_pretrained` loads, over its own frozen copy of the
+            decoder) reading the example's context through its own encoder, the context's kept tokens
+            re-chunked to its ``chunk_length``, instead of the decoder reading the context in its window:
+            an earlier adapter teaches what it does better (e.g. continuation from a short context)
+            while the student keeps what it learned. Costs one forward of that adapter per taught example.
+        teacher_drop_mixture: with ``teacher_adapter``: teach with its reader alone, without its output
+            mixture and copy (as ``cepe export --drop-mixture``), so that a student without the mixture
+            is taught the distribution it can represent.
+        teacher_max_context: with ``online_teacher``: the teacher runs only for examples whose kept
+            context has at most this many tokens; longer ones train on their cross-entropy alone. None =
+            no limit.
 
     Loop:
         steps: optimizer steps. batch_size: examples per optimizer step over all processes.
@@ -374,6 +386,9 @@ class TrainConfig:
     online_teacher: bool = False
     teacher_tasks: list[str] | None = None
     teacher_context: int | None = None
+    teacher_adapter: str | None = None
+    teacher_drop_mixture: bool = False
+    teacher_max_context: int | None = None
     # loop
     steps: int = 100
     batch_size: int = 8
@@ -539,6 +554,20 @@ class TrainConfig:
                 f"teacher_tasks must be a list of kinds named in tasks ({sorted(self.tasks or {})}), "
                 f"got {self.teacher_tasks!r}",
             )
+        if self.teacher_adapter is not None or self.teacher_max_context is not None:
+            _check(
+                self.online_teacher,
+                "teacher_adapter and teacher_max_context choose the online teacher and where it runs; they "
+                "need online_teacher: true",
+            )
+        _check(
+            not self.teacher_drop_mixture or self.teacher_adapter is not None,
+            "teacher_drop_mixture drops the output mixture of teacher_adapter; it needs teacher_adapter",
+        )
+        _check(
+            self.teacher_max_context is None or self.teacher_max_context > 0,
+            f"teacher_max_context must be a positive token count (or null), got {self.teacher_max_context}",
+        )
         if self.teacher_context is not None:
             _check(
                 "lm" in (self.teacher_tasks or []),
@@ -768,9 +797,11 @@ class TrainConfig:
                 d.pop(key, None)
         if not d.get("online_teacher"):
             d.pop("online_teacher", None)
-        for key in ("teacher_tasks", "teacher_context"):
+        for key in ("teacher_tasks", "teacher_context", "teacher_adapter", "teacher_max_context"):
             if d.get(key) is None:
                 d.pop(key, None)
+        if not d.get("teacher_drop_mixture"):
+            d.pop("teacher_drop_mixture", None)
         if d.get("qa_templates") == 6:
             d.pop("qa_templates")
         if list(d.get("qa_span_tokens") or []) == QA_SPAN_TOKENS:

@@ -239,6 +239,24 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def load_teacher(cfg: TrainConfig) -> CepeForCausalLM:
+    """The adapter of ``cfg.teacher_adapter`` over its own frozen copy of the stage's decoder (eval mode, no
+    gradients; without its output mixture with ``cfg.teacher_drop_mixture``)."""
+    path = Path(str(cfg.teacher_adapter))
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"teacher_adapter {path} is not a directory: point it at a cepe adapter (a stage's "
+            "checkpoints/step_N/adapter, or an exported adapter such as adapters/smollm2-135m-cepe)"
+        )
+    teacher = CepeForCausalLM.from_pretrained(path, decoder=build_decoder(cfg))
+    if cfg.teacher_drop_mixture:
+        teacher.disable_output_mix()
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
 class StageModule(nn.Module):
     """Wraps the stage's model so that the whole loss runs inside one ``forward`` (one DDP call).
 
@@ -258,6 +276,10 @@ class StageModule(nn.Module):
         self.align_coef, self.align_heads = cfg.align_coef, cfg.align_heads
         self.align_layers = None if cfg.align_layers is None else frozenset(cfg.align_layers)
         self.online_teacher, self.top_k = cfg.online_teacher, cfg.top_k
+        self.teacher_max_context = cfg.teacher_max_context
+        # the adapter teaching (teacher_adapter): kept outside the module's parameters and state (not saved,
+        # not trained, not wrapped), moved to the batch's device at its first use
+        self._teacher = [load_teacher(cfg)] if cfg.teacher_adapter is not None else []
         self.teacher_kinds = None
         if cfg.teacher_tasks is not None:
             from .config import TASK_KINDS
@@ -282,24 +304,8 @@ class StageModule(nn.Module):
             m: CepeForCausalLM = self.model
             self._held.close()
             if self.online_teacher:  # the decoder reads the context itself (no cross-attention installed)
-                from .online_teacher import online_teacher_topk
-
                 batch = dict(batch)
-                if self.teacher_kinds is not None:  # (B,) the examples the teacher is run for
-                    batch["teacher_rows"] = torch.isin(
-                        batch["task"], torch.tensor(self.teacher_kinds, device=batch["task"].device)
-                    )
-                batch["teacher_probs"], batch["teacher_indices"] = online_teacher_topk(
-                    m.decoder,
-                    batch["input_ids"],
-                    batch["labels"],
-                    batch["encoder_input_ids"],
-                    batch["encoder_attention_mask"],
-                    self.top_k,
-                    batch.get("context_at"),
-                    batch.get("teacher_rows"),
-                    getattr(m.decoder.config, "max_position_embeddings", None),
-                )
+                self._run_teacher(m, batch)
             ctx = m.prepare_context(
                 batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
             )
@@ -369,6 +375,43 @@ class StageModule(nn.Module):
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}
+
+    def _run_teacher(self, m: CepeForCausalLM, batch: dict[str, torch.Tensor]) -> None:
+        """Fill ``batch["teacher_probs"]`` and ``batch["teacher_indices"]`` (and ``batch["teacher_rows"]``
+        where the teacher runs for some examples only) with the online teacher's top-k."""
+        from .online_teacher import adapter_teacher_topk, online_teacher_topk
+
+        device = batch["input_ids"].device
+        rows = None  # (B,) the examples the teacher is run for
+        if self.teacher_kinds is not None:
+            rows = torch.isin(batch["task"], torch.tensor(self.teacher_kinds, device=batch["task"].device))
+        if self.teacher_max_context is not None:
+            short = batch["encoder_attention_mask"].flatten(1).sum(-1) <= self.teacher_max_context
+            rows = short if rows is None else rows & short
+        if rows is not None:
+            batch["teacher_rows"] = rows
+        args = (
+            batch["input_ids"],
+            batch["labels"],
+            batch["encoder_input_ids"],
+            batch["encoder_attention_mask"],
+            self.top_k,
+        )
+        if self._teacher:
+            teacher = self._teacher[0]
+            if next(teacher.parameters()).device != device:
+                teacher.to(device)
+            batch["teacher_probs"], batch["teacher_indices"] = adapter_teacher_topk(
+                teacher, *args, select=rows
+            )
+        else:
+            batch["teacher_probs"], batch["teacher_indices"] = online_teacher_topk(
+                m.decoder,
+                *args,
+                batch.get("context_at"),
+                rows,
+                getattr(m.decoder.config, "max_position_embeddings", None),
+            )
 
     def _scored_losses(
         self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict

@@ -1,6 +1,7 @@
-"""The online CEPED teacher (``TrainConfig.online_teacher``): the frozen decoder reads the student's context
-in its own window during training, no teacher pass and nothing on disk (the offline pass:
-:mod:`cepe.training.teacher`).
+"""The online CEPED teacher (``TrainConfig.online_teacher``), computed during training, no teacher pass and
+nothing on disk (the offline pass: :mod:`cepe.training.teacher`): the frozen decoder reading the student's
+context in its own window, or an earlier CEPE adapter reading it through its encoder
+(``TrainConfig.teacher_adapter``).
 
 Shape legend: B batch, n decoder tokens, K chunks, L chunk length, k teacher tokens.
 """
@@ -65,4 +66,61 @@ def online_teacher_topk(
         p, j = teacher_topk(decoder_logits(decoder, hidden[where]), k)
         probs[i, rows] = p.to(probs.device)
         idx[i, rows] = j.long().to(idx.device)
+    return probs, idx
+
+
+@torch.no_grad()
+def adapter_teacher_topk(
+    teacher: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    encoder_input_ids: torch.Tensor,
+    encoder_attention_mask: torch.Tensor,
+    k: int,
+    select: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CEPE adapter as the CEPED teacher (``TrainConfig.teacher_adapter``), computed on the fly: for each
+    example it reads the context the student's encoder gets (the tokens of ``encoder_input_ids`` where
+    ``encoder_attention_mask`` is True, in order) through its own encoder, re-chunked to its own
+    ``chunk_length``, and gives its top-k next-token distribution at the decoder positions (its output
+    mixture's where it has one).
+
+    Args:
+        teacher: a :class:`cepe.modeling.CepeForCausalLM` over its own decoder.
+        input_ids, labels: ``(B, n)`` decoder tokens and their labels (-100: not scored).
+        encoder_input_ids, encoder_attention_mask: ``(B, K, L)``.
+        k: tokens kept per position.
+        select: ``(B,)`` bool, the examples to compute (None = all); the others' rows stay zeros.
+
+    Returns:
+        ``(probs (B, n-1, k) fp16, indices (B, n-1, k) int64)`` as :func:`online_teacher_topk`.
+    """
+    from cepe.chunking import chunk_ids, collate_chunks
+
+    b, n = input_ids.shape
+    probs = torch.zeros((b, n - 1, k), dtype=torch.float16, device=input_ids.device)
+    idx = torch.zeros((b, n - 1, k), dtype=torch.long, device=input_ids.device)
+    scored = labels[:, 1:] != -100  # (B, n-1)
+    rows = scored.any(-1)
+    if select is not None:
+        rows &= select.bool()
+    which = rows.nonzero().squeeze(-1).tolist()
+    if not which:
+        return probs, idx
+    length = int(teacher.cepe_config.chunk_length)
+    chunks = [chunk_ids(encoder_input_ids[i][encoder_attention_mask[i].bool()].cpu(), length) for i in which]
+    enc, mask = collate_chunks(chunks)  # (b', K', L'): its own chunking of the same tokens
+    device = next(teacher.parameters()).device
+    out = teacher(
+        input_ids=input_ids[which].to(device),
+        encoder_input_ids=enc.to(device),
+        encoder_attention_mask=mask.to(device),
+    )
+    keep = scored[which]  # (b', n-1)
+    p, j = teacher_topk(out.logits[:, :-1][keep.to(device)], k)  # (N, k)
+    sub_p = torch.zeros((len(which), n - 1, k), dtype=torch.float16, device=input_ids.device)
+    sub_j = torch.zeros((len(which), n - 1, k), dtype=torch.long, device=input_ids.device)
+    sub_p[keep] = p.to(sub_p.device)
+    sub_j[keep] = j.long().to(sub_j.device)
+    probs[which], idx[which] = sub_p, sub_j
     return probs, idx

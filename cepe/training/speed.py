@@ -440,7 +440,17 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
                 (float(cfg.tasks[k]) / total, min(s, cut) if k == "lm" and cut is not None else s)
                 for k in kinds
             ]
+        cap = getattr(cfg, "teacher_max_context", None)  # counted as if every taught example reached it
         for share, ctx in runs:
+            ctx = ctx if cap is None else min(ctx, cap)
+            if getattr(cfg, "teacher_adapter", None) is not None:  # one CEPE forward, the student's shape
+                t_lin = dec.layers * linear + head + 2 * ctx * enc.layers * enc.linear_params_per_layer
+                t_lin += len(layers) * (2 * n * 2 * dec.hidden * hq + 2 * ctx * 2 * enc.hidden * hkv)
+                t_att = dec.layers * attn + len(layers) * 4 * n * ctx * dec.heads * dec.head_dim
+                t_att += 4 * ctx * chunk * enc.heads * enc.head_dim * enc.layers
+                fwd_lin += round(share * t_lin)
+                fwd_att += round(share * t_att)
+                continue
             t = min(ctx + n, limit)
             fwd_lin += round(share * (dec.layers * 2 * t * dec.linear_params_per_layer + head))
             fwd_att += round(share * dec.layers * 4 * causal_pairs(0, t) * dec.heads * dec.head_dim)

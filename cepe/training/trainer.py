@@ -487,6 +487,9 @@ def _build_modules(cfg: TrainConfig, use_bf16: bool) -> tuple[nn.Module, list[nn
             hold_frozen_linears(model.decoder, torch.bfloat16)
     module = StageModule(model, cfg)
     module.bf16 = use_bf16  # decided once, not re-timed at every forward
+    if use_bf16 and not cfg.reference_path:
+        for teacher in module._teacher:  # teacher_adapter: all of it frozen
+            hold_frozen_linears(teacher, torch.bfloat16)
     return model, params, module
 
 

@@ -1,0 +1,301 @@
+"""An earlier CEPE adapter as the online CEPED teacher (``teacher_adapter``), and the teacher limited to
+short contexts (``teacher_max_context``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import yaml
+
+from cepe.chunking import chunk_ids
+from cepe.training.config import load_config
+from cepe.training.data import build_example, collate, window_source
+from cepe.training.losses import teacher_topk, topk_kl
+from cepe.training.models import StageModule, build_model, load_teacher
+from cepe.training.online_teacher import adapter_teacher_topk
+from cepe.training.trainer import read_log, train
+
+
+def _cfg(tmp_path, **over):
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(
+        output_dir=str(tmp_path / "run"),
+        steps=4,
+        progress=False,
+        data={"synthetic": "distinct"},
+        encoder_init="decoder",
+        encoder={"num_hidden_layers": 1},
+        cepe={"init_mode": "gate", "mirror_self_attention": True},
+        online_teacher=True,
+        top_k=16,
+        chunk_noise=0.0,
+    )
+    d.update(over)
+    return load_config(d)
+
+
+def _open_gates(model, value: float = 0.5) -> None:
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            for name, p in m.named_parameters():
+                if "gate" in name:
+                    p.fill_(value)
+
+
+def _saved(model, path, chunk_length: int | None = None):
+    """``model`` saved as an adapter directory (with another chunk length where given)."""
+    model = copy.deepcopy(model)
+    if chunk_length is not None:
+        model.cepe_config.chunk_length = chunk_length
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _batch(cfg, n: int = 4):
+    src = window_source(cfg, 128)
+    batch = collate([build_example(cfg, src[i], i, None) for i in range(n)])
+    batch.pop("index")
+    return batch
+
+
+def test_adapter_teacher_reads_the_kept_context_in_its_own_chunks(tmp_path):
+    """Row t of a selected example is the teacher adapter's own distribution of token t+1 when it reads
+    exactly the encoder tokens the mask keeps, in order, cut into its own chunk length; unselected
+    examples and unscored rows stay zeros."""
+    cfg = _cfg(tmp_path)
+    model = build_model(cfg)
+    _open_gates(model)
+    teacher = load_teacher(_cfg(tmp_path, teacher_adapter=_saved(model, tmp_path / "t", chunk_length=5)))
+    assert teacher.cepe_config.chunk_length == 5
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (3, 12), generator=g)
+    enc = torch.randint(0, 128, (3, 3, 8), generator=g)
+    mask = torch.ones(3, 3, 8, dtype=torch.bool)
+    mask[0, 1, 3:] = False  # a suffix of a chunk removed
+    mask[1, :2] = False  # only the last chunk kept
+    labels = ids.clone()
+    labels[1, :7] = -100
+    select = torch.tensor([True, True, False])
+    probs, idx = adapter_teacher_topk(teacher, ids, labels, enc, mask, 16, select=select)
+    assert probs.shape == idx.shape == (3, 11, 16)
+    assert not probs[2].any() and not idx[2].any()
+    for i in range(2):
+        chunks, cmask = chunk_ids(enc[i][mask[i]], 5)
+        with torch.no_grad():
+            logits = teacher(
+                ids[i : i + 1], encoder_input_ids=chunks[None], encoder_attention_mask=cmask[None]
+            )
+        for t in range(11):
+            if labels[i, t + 1] == -100:
+                assert not probs[i, t].any()
+                continue
+            p, j = teacher_topk(logits.logits[0, t], 16)
+            torch.testing.assert_close(probs[i, t], p, atol=2e-3, rtol=1e-2)
+            assert torch.equal(idx[i, t, :4], j[:4].long())
+    # the same tokens in the student's chunking give another function: the re-chunking is real
+    with torch.no_grad():
+        own = teacher(ids[:1], encoder_input_ids=enc[:1], encoder_attention_mask=mask[:1]).logits[0, 0]
+    assert not torch.allclose(teacher_topk(own, 16)[0], probs[0, 0], atol=1e-3)
+
+
+def test_kl_vanishes_when_the_teacher_is_the_student(tmp_path):
+    """Taught by its own weights, read in the same chunks, the student's KL is only the fp16 rounding of
+    the stored probabilities; taught by the same adapter with closed gates (the decoder alone), it is the
+    context's real effect. The teacher is no part of the module's parameters or state."""
+    cfg = _cfg(tmp_path)
+    model = build_model(cfg)
+    _open_gates(model)
+    closed = copy.deepcopy(model)
+    _open_gates(closed, 0.0)
+    batch = _batch(cfg)
+    same = _cfg(tmp_path, teacher_adapter=_saved(model, tmp_path / "same"))
+    module = StageModule(model, same)
+    loss, metrics = module(batch)
+    module.release()
+    assert float(metrics["kl"]) < 2e-3
+    torch.testing.assert_close(loss, same.ce_coef * metrics["lm"] + same.kl_coef * metrics["kl"])
+    other = StageModule(model, _cfg(tmp_path, teacher_adapter=_saved(closed, tmp_path / "closed")))
+    _, m2 = other(batch)
+    other.release()
+    assert float(m2["kl"]) > 20 * float(metrics["kl"])
+    plain = StageModule(model, _cfg(tmp_path))
+    assert list(module.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in module.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def test_teacher_max_context_teaches_only_the_short_contexts(tmp_path):
+    """teacher_max_context: the KL is the plain one over the scored rows of examples whose kept context is
+    at most that long; the CE still covers every example; the decoder teacher obeys it too."""
+    cfg = _cfg(tmp_path, context_drop=1.0)  # lm examples keep 1..4 chunks of 8
+    model = build_model(cfg)
+    _open_gates(model)
+    batch = _batch(cfg, 8)
+    kept = batch["encoder_attention_mask"].flatten(1).sum(-1)
+    short = kept <= 16
+    assert 0 < int(short.sum()) < 8, kept
+    path = _saved(model, tmp_path / "t")
+    _open_gates(model, 0.25)  # the student differs from its teacher
+    capped = _cfg(tmp_path, context_drop=1.0, teacher_adapter=path, teacher_max_context=16)
+    module = StageModule(model, capped)
+    _, metrics = module(batch)
+    module.release()
+    args = (
+        batch["input_ids"],
+        batch["labels"],
+        batch["encoder_input_ids"],
+        batch["encoder_attention_mask"],
+        16,
+    )
+    probs, idx = adapter_teacher_topk(module._teacher[0], *args, select=short)
+    with torch.no_grad():
+        logits = model(
+            batch["input_ids"],
+            encoder_input_ids=batch["encoder_input_ids"],
+            encoder_attention_mask=batch["encoder_attention_mask"],
+        ).logits[:, :-1]
+    keep = batch["labels"][:, 1:] != -100
+    sel = keep & short[:, None]
+    kl = topk_kl(logits[sel], probs[sel], idx[sel], capped.kl_form)
+    ce = torch.nn.functional.cross_entropy(logits[keep].float(), batch["labels"][:, 1:][keep])
+    torch.testing.assert_close(metrics["kl"], kl, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metrics["lm"], ce, rtol=1e-4, atol=1e-5)
+    assert float(kl) > 0.01
+    uncapped = StageModule(model, _cfg(tmp_path, context_drop=1.0, teacher_adapter=path))
+    _, every = uncapped(batch)
+    uncapped.release()
+    assert abs(float(every["kl"]) - float(kl)) > 1e-4
+    # the decoder as the teacher, limited the same way: a different KL from the decoder teaching all
+    dec_capped = StageModule(model, _cfg(tmp_path, context_drop=1.0, teacher_max_context=16))
+    _, dc = dec_capped(batch)
+    dec_capped.release()
+    dec_all = StageModule(model, _cfg(tmp_path, context_drop=1.0))
+    _, da = dec_all(batch)
+    dec_all.release()
+    assert abs(float(dc["kl"]) - float(da["kl"])) > 1e-4
+
+
+def test_adapter_teacher_trains_and_resumes_exactly(tmp_path):
+    model = build_model(_cfg(tmp_path))
+    _open_gates(model)
+    path = _saved(model, tmp_path / "t")
+    cfg = _cfg(
+        tmp_path, steps=4, save_every=2, teacher_adapter=path, teacher_max_context=24, context_drop=0.5
+    )
+    log = read_log(train(cfg))
+    assert len(log) == 4 and all("kl" in r and "lm" in r for r in log)
+    again = _cfg(
+        tmp_path,
+        steps=4,
+        save_every=2,
+        teacher_adapter=path,
+        teacher_max_context=24,
+        context_drop=0.5,
+        output_dir=str(tmp_path / "again"),
+    )
+    train(again)
+    import shutil
+
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "step_000004")
+    resumed = read_log(train(again, resume=True))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in log]
+
+
+def test_teacher_drop_mixture_teaches_with_the_reader_alone(tmp_path):
+    """A teacher with an output mixture teaches its mixture; with teacher_drop_mixture its reader alone,
+    which is the adapter saved without the mixture."""
+    cfg = _cfg(tmp_path)
+    model = build_model(cfg)
+    _open_gates(model)
+    reader = _saved(model, tmp_path / "reader")
+    mixed = copy.deepcopy(model)
+    mixed.enable_output_mix(2, hidden=False)
+    with torch.no_grad():
+        mixed.mix_head.bias.fill_(1.0)  # the mixture leans on one side: it differs from the reader
+    path = _saved(mixed, tmp_path / "mixed")
+    batch = _batch(cfg)
+    args = (
+        batch["input_ids"],
+        batch["labels"],
+        batch["encoder_input_ids"],
+        batch["encoder_attention_mask"],
+        16,
+    )
+    with_mix = load_teacher(_cfg(tmp_path, teacher_adapter=path))
+    dropped = load_teacher(_cfg(tmp_path, teacher_adapter=path, teacher_drop_mixture=True))
+    alone = load_teacher(_cfg(tmp_path, teacher_adapter=reader))
+    assert with_mix.cepe_config.output_mix and not dropped.cepe_config.output_mix
+    p_mix, _ = adapter_teacher_topk(with_mix, *args)
+    p_drop, i_drop = adapter_teacher_topk(dropped, *args)
+    p_alone, i_alone = adapter_teacher_topk(alone, *args)
+    torch.testing.assert_close(p_drop, p_alone)
+    assert torch.equal(i_drop, i_alone)
+    assert not torch.allclose(p_mix, p_drop, atol=1e-3)
+
+
+def test_adapter_teacher_config(tmp_path):
+    base = _cfg(tmp_path)
+    path = _saved(build_model(base), tmp_path / "t")
+    taught = _cfg(tmp_path, teacher_adapter=path)
+    assert taught.fingerprint() != base.fingerprint()
+    assert (
+        _cfg(tmp_path, teacher_adapter=path, teacher_drop_mixture=True).fingerprint() != taught.fingerprint()
+    )
+    assert _cfg(tmp_path, teacher_max_context=16).fingerprint() != base.fingerprint()
+    for key in ("teacher_adapter", "teacher_drop_mixture", "teacher_max_context"):
+        assert key not in base.to_dict() or base.fingerprint() == _cfg(tmp_path, **{key: None}).fingerprint()
+    with pytest.raises(ValueError, match="need online_teacher: true"):
+        _cfg(tmp_path, online_teacher=False, teacher_adapter=path)
+    with pytest.raises(ValueError, match="need online_teacher: true"):
+        _cfg(tmp_path, online_teacher=False, teacher_max_context=16)
+    with pytest.raises(ValueError, match="it needs teacher_adapter"):
+        _cfg(tmp_path, teacher_drop_mixture=True)
+    with pytest.raises(ValueError, match="positive token count"):
+        _cfg(tmp_path, teacher_max_context=0)
+    with pytest.raises(FileNotFoundError, match="point it at a cepe adapter"):
+        StageModule(build_model(base), _cfg(tmp_path, teacher_adapter=str(tmp_path / "no")))
+
+
+def test_cost_model_counts_the_adapter_teacher(tmp_path):
+    """The adapter teacher costs one CEPE forward per taught example, less with a shorter context cap."""
+    from cepe.training.speed import step_flops
+
+    base = _cfg(tmp_path)
+    model = build_model(base)
+    path = _saved(model, tmp_path / "t")
+    none = step_flops(_cfg(tmp_path, online_teacher=False), model)["forward"]
+    whole = step_flops(_cfg(tmp_path, teacher_adapter=path), model)["forward"]
+    capped = step_flops(_cfg(tmp_path, teacher_adapter=path, teacher_max_context=8), model)["forward"]
+    assert none < capped < whole
+    assert abs((whole - none) - none) < 0.05 * none  # about the student's own forward again
+
+
+def test_taught_counts_are_the_rows_the_teacher_runs_for(tmp_path):
+    """``taught_counts`` counts, kind by kind, the examples whose rows the stage module gives the teacher:
+    one step's batch built as training builds it has as many teacher rows as it says."""
+    from cepe.training.data import example_indices, step_layout, taught_counts
+
+    mixed = {"tasks": {"lm": 2, "recall": 1}, "recall_cue": 4, "recall_span": [4, 12], "context_drop": 1.0}
+    cfg = _cfg(
+        tmp_path, teacher_tasks=["lm"], teacher_max_context=16, batch_size=8, micro_batch_size=8, **mixed
+    )
+    counts = taught_counts(cfg, 1)
+    assert sum(n for n, _ in counts.values()) == 8 and set(counts) <= {"lm", "recall"}
+    assert counts.get("recall", (0, 0))[1] == 0
+    model = build_model(cfg)
+    module = StageModule(model, cfg)
+    src = window_source(cfg, 128)
+    layout = step_layout(cfg, 0, 0)
+    assert layout == (None, None)
+    batch = collate([build_example(cfg, src[i], i, None) for i in example_indices(0, 8, 0, 8, 0, 1)])
+    batch.pop("index")
+    module._run_teacher(model, batch)
+    assert int(batch["teacher_rows"].sum()) == counts["lm"][1]
+    lm, taught = counts["lm"]
+    assert 0 < taught < lm
+    whole = taught_counts(_cfg(tmp_path, teacher_tasks=["lm"], batch_size=8, micro_batch_size=8, **mixed), 1)
+    assert whole["lm"] == (lm, lm)
+    with pytest.raises(ValueError, match="online_teacher: true"):
+        taught_counts(_cfg(tmp_path, online_teacher=False))
