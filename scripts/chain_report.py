@@ -13,6 +13,9 @@ Everything comes from the run folders and the configs; no model is loaded and no
 - hours left: each stage's remaining steps times its own median; a stage not yet begun has no pace of its
   own (nor has a stage whose first step is under way) and is left out of the sum, which names them.
 
+The chain's ``heads:NAME`` entries (heads fitted and judged, no training steps) are left out, so the
+chain's own arguments can be given.
+
 Usage: python scripts/chain_report.py NAME [NAME ...] [--runs runs/recipe] [--every 50]
     [--terms lm_qa,lm_lm] [--out OUT]
 (``--out OUT`` writes OUT.json and OUT.md; the markdown table is printed either way.)
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.every <= 0:
         ap.error(f"--every must be a positive number of steps, got {args.every}")
     terms = [t for t in args.terms.split(",") if t]
-    rows = [stage_row(n, Path(args.runs), Path(args.configs), args.every, terms) for n in args.stages]
+    stages = [n for n in args.stages if not n.startswith("heads:")]  # the chain's heads: no training steps
+    rows = [stage_row(n, Path(args.runs), Path(args.configs), args.every, terms) for n in stages]
     lines = [*table(rows), "", summary(rows)]
     print("\n".join(lines))
     if args.out:

@@ -15,6 +15,8 @@
 # rules the replacement out); any other error stops the pipeline with a line in the log.
 # Log: runs/recipe/heads.log; pid: runs/recipe/heads.pid. Pause it for other work as the chain
 # (kill -STOP / -CONT on the running `cepe` process).
+# FOREGROUND=1 runs the same pipeline in the foreground and exits with its status (the chain's
+# `heads:NAME` entries do this, so that heads and the next stage never share the cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: bash scripts/heads_and_validate.sh NAME [NAME ...] (configs/train/recipe/NAME.yaml)" >&2; exit 2; }
@@ -73,6 +75,15 @@ pipeline() {
     log "$name: done (results/recipe/$name/val_verdict.md)"
   done
 }
+if [ -n "${FOREGROUND:-}" ]; then
+  echo $$ > runs/recipe/heads.pid
+  set +e  # (a subshell, not `pipeline || ...`, which would switch off set -e inside it)
+  (VAL="$VAL" pipeline "$@") >> runs/recipe/heads.log 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || echo "$(date -u +%FT%TZ) stopped by an error (exit $rc): fix it, then rerun the chain" \
+    >> runs/recipe/heads.log
+  exit $rc
+fi
 # (a subshell, not `pipeline || ...`, which would switch off set -e inside it)
 nohup bash -c "$(declare -f pipeline); (VAL='$VAL' pipeline $*); rc=\$?; [ \$rc -eq 0 ] ||
   { echo \"\$(date -u +%FT%TZ) stopped by an error (exit \$rc): fix it, then rerun bash scripts/heads_and_validate.sh $*\"; exit \$rc; }" \

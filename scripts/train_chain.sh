@@ -4,6 +4,10 @@
 # chain up after a kill or in a new session on the same machine.
 # Usage: bash scripts/train_chain.sh NAME [NAME ...]   (NAME: configs/train/recipe/NAME.yaml)
 # e.g.   bash scripts/train_chain.sh fast_warmup fast_direct
+# heads:NAME (a heads recipe) runs `FOREGROUND=1 bash scripts/heads_and_validate.sh NAME` at that point of
+# the chain: the heads fitted over the stage before it, stored as int8, validated and judged (its finished
+# steps skipped, log runs/recipe/heads.log), before the next stage starts, so the two never share the cores.
+# e.g.   bash scripts/train_chain.sh read_lm6 heads:mix_fit16 read_lm7 heads:mix_fit17
 # Log: runs/recipe/chain.log (each stage also logs to runs/recipe/NAME.log); the chain's pid: runs/recipe/chain.pid.
 # BF16=auto (or true / false) overrides the configs' bf16 setting (resume a chain with the same BF16: it is
 # part of each stage's fingerprint); configs that say `bf16: true` force
@@ -13,7 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: bash scripts/train_chain.sh NAME [NAME ...] (configs/train/recipe/NAME.yaml)" >&2; exit 2; }
 for name in "$@"; do
-  [ -f "configs/train/recipe/$name.yaml" ] || { echo "no such stage: configs/train/recipe/$name.yaml" >&2; exit 2; }
+  [ -f "configs/train/recipe/${name#heads:}.yaml" ] ||
+    { echo "no such stage: configs/train/recipe/${name#heads:}.yaml" >&2; exit 2; }
 done
 . .venv/bin/activate
 mkdir -p runs/recipe
@@ -48,6 +53,18 @@ if names_set 'runs/data/mini_linux_all' "$@"; then
 fi
 run_chain() {
   for name in "$@"; do
+    if [ "${name#heads:}" != "$name" ]; then  # the heads over the stage before, judged, in the foreground
+      local heads=${name#heads:} rc=0
+      echo "$(date -u +%FT%TZ) $heads: heads and validation (runs/recipe/heads.log)"
+      FOREGROUND=1 bash scripts/heads_and_validate.sh "$heads" || rc=$?
+      if [ "$rc" -gt 128 ]; then
+        echo "$(date -u +%FT%TZ) $heads: stopped by signal $((rc - 128)); the chain stops (run it again to resume)"
+        exit 0
+      fi
+      [ "$rc" = 0 ] || { echo "$(date -u +%FT%TZ) $heads: failed (exit $rc), see runs/recipe/heads.log"; exit 1; }
+      echo "$(date -u +%FT%TZ) $heads: judged (results/recipe/$heads/val_verdict.md)"
+      continue
+    fi
     local cfg=configs/train/recipe/$name.yaml out=runs/recipe/$name
     if [ -f "$out/status.json" ] && grep -q '"state": "done"' "$out/status.json"; then
       echo "$(date -u +%FT%TZ) $name: done already, skipped"; continue

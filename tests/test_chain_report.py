@@ -56,6 +56,9 @@ def test_steps_pace_windows_and_hours_left(tmp_path, capsys):
     )
     assert out.with_suffix(".md").read_text() == printed
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["stage"] == "c"
+    # the chain's own arguments: its heads entries have no training steps and are left out
+    assert mod.main(["a", "heads:zzz", "b", "c", *args[3:7], "--every", "4"]) == 0
+    assert capsys.readouterr().out == printed
 
 
 def test_unknown_stage_and_a_broken_log_are_refused_with_the_reason(tmp_path):

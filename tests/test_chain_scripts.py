@@ -440,3 +440,63 @@ def test_heads_and_validate_refuses_unknown_recipes_and_gives_up_waiting_without
     _wait(root / "runs/recipe/heads.pid")
     log = (root / "runs/recipe/heads.log").read_text()
     assert "the chain is not running and read_lm4 is not done" in log and "fit-heads" not in log
+
+
+def test_a_chain_runs_its_heads_entries_in_the_foreground_between_stages(tmp_path):
+    """``heads:NAME`` in a chain fits, stores, validates and judges NAME after the stage before it and
+    before the stage after it (never beside it); run again, the chain redoes nothing; a heads entry that
+    fails stops the chain before the next stage."""
+    root, fake, calls = _heads_tree(tmp_path)
+    (root / "runs/data/mini").mkdir(parents=True)
+    (root / "runs/data/mini/summary.json").write_text("{}")
+    train = (
+        '  train) for a in "$@"; do [ "$prev" = --output-dir ] && o=$a; prev=$a; done\n'
+        '         mkdir -p "$o" && echo \'{"state": "done"}\' > "$o/status.json" ;;\n'
+    )
+    fake.write_text(_FAKE_CEPE.replace('case "$1" in\n', 'case "$1" in\n' + train, 1))
+    chain = ["bash", "scripts/train_chain.sh", "read_lm6", "heads:mix_fit16", "read_lm7"]
+    for _ in range(2):
+        proc = subprocess.run(chain, cwd=root, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        _wait(root / "runs/recipe/chain.pid", 120)
+    made = [c for c in calls.read_text().splitlines() if not c.startswith("cepe prepare-data")]
+    first_train = made.index(
+        "cepe train --config configs/train/recipe/read_lm6.yaml --output-dir runs/recipe/read_lm6 --no-progress"
+    )
+    fit = next(
+        i
+        for i, c in enumerate(made)
+        if c.startswith("cepe fit-heads --recipe configs/train/recipe/mix_fit16.yaml")
+    )
+    evals = [i for i, c in enumerate(made) if c.startswith("cepe eval")]
+    second = next(i for i, c in enumerate(made) if "configs/train/recipe/read_lm7.yaml" in c)
+    assert first_train < fit < min(evals) and max(evals) < second
+    assert len(evals) == 9 and len(made) == 2 + 1 + 1 + 9  # nothing again on the second run
+    log = (root / "runs/recipe/chain.log").read_text()
+    assert "mix_fit16: judged (results/recipe/mix_fit16/val_verdict.md)" in log
+    assert (root / "results/recipe/mix_fit16/val_verdict.md").is_file()
+    assert "mix_fit16: done" in (root / "runs/recipe/heads.log").read_text()
+    # the export fails: the chain stops at the heads entry and the next stage is not trained
+    calls.unlink()
+    for name in ("read_lm7", "mix_fit16-fit/int8"):
+        shutil.rmtree(root / "runs/recipe" / name)
+    fake.write_text(fake.read_text().replace('  export) mkdir -p "$5"', '  export) exit 3; mkdir -p "$5"'))
+    proc = subprocess.run(chain, cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    _wait(root / "runs/recipe/chain.pid", 120)
+    tail = (root / "runs/recipe/chain.log").read_text()[len(log) :]
+    assert "mix_fit16: failed (exit 3), see runs/recipe/heads.log" in tail
+    assert not any("read_lm7" in c for c in calls.read_text().splitlines())
+    assert "stopped by an error (exit 3)" in (root / "runs/recipe/heads.log").read_text()
+
+
+def test_a_chain_refuses_an_unknown_heads_entry(tmp_path):
+    root = _with_stand_in_cepe(tmp_path, 0)
+    proc = subprocess.run(
+        ["bash", "scripts/train_chain.sh", "fast_warmup", "heads:nope"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "no such stage: configs/train/recipe/nope.yaml" in proc.stderr
+    assert not (root / "runs/recipe/chain.log").exists()
