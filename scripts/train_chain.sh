@@ -85,6 +85,7 @@ run_chain() {
     echo "$(date -u +%FT%TZ) $name: ended"
   done
 }
+. scripts/fast_alloc.sh 2>> runs/recipe/chain.log  # jemalloc where there is one, for every stage
 nohup bash -c "$(declare -f run_chain); run_chain $*" >> runs/recipe/chain.log 2>&1 &
 echo $! > runs/recipe/chain.pid
 echo "started the chain $* (pid $(cat runs/recipe/chain.pid)), log runs/recipe/chain.log"

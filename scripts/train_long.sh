@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
+. scripts/fast_alloc.sh  # jemalloc where there is one
 CFG=${CFG:-configs/train/recipe/long_align.yaml}
 OUT=runs/recipe/$(basename "$CFG" .yaml)
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \

@@ -18,6 +18,7 @@ def _tree(tmp_path: Path) -> Path:
     """A scratch checkout with the scripts, one recipe config and an empty virtual environment."""
     for rel in (
         "scripts/train_chain.sh",
+        "scripts/fast_alloc.sh",
         "scripts/rebuild_choice.sh",
         "configs/train/recipe/fast_warmup.yaml",
     ):
@@ -500,3 +501,32 @@ def test_a_chain_refuses_an_unknown_heads_entry(tmp_path):
     )
     assert proc.returncode == 2 and "no such stage: configs/train/recipe/nope.yaml" in proc.stderr
     assert not (root / "runs/recipe/chain.log").exists()
+
+
+def _alloc(tmp_path: Path, **env: str) -> tuple[str, str]:
+    """(LD_PRELOAD and MALLOC_CONF after sourcing scripts/fast_alloc.sh, what it said on stderr)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "CEPE_MALLOC")}
+    proc = subprocess.run(
+        ["bash", "-c", '. scripts/fast_alloc.sh; echo "${LD_PRELOAD:-}|${MALLOC_CONF:-}"'],
+        cwd=ROOT,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), proc.stderr.strip()
+
+
+def test_fast_alloc_preloads_the_named_jemalloc_and_nothing_else(tmp_path):
+    """A library named by CEPE_JEMALLOC is preloaded with memory kept for reuse; CEPE_MALLOC=system or an
+    LD_PRELOAD already set leaves the environment alone; a missing library is said, not preloaded."""
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")  # sourcing only sets the environment; nothing is loaded here
+    out, said = _alloc(tmp_path, CEPE_JEMALLOC=str(lib))
+    assert out == f"{lib}|oversize_threshold:0,background_thread:false,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+    assert said == f"allocator: jemalloc ({lib}, MALLOC_CONF={out.split('|')[1]})"
+    assert _alloc(tmp_path, CEPE_JEMALLOC=str(lib), MALLOC_CONF="narenas:1")[0] == f"{lib}|narenas:1"
+    assert _alloc(tmp_path, CEPE_JEMALLOC=str(lib), CEPE_MALLOC="system") == ("|", "")
+    assert _alloc(tmp_path, CEPE_JEMALLOC=str(lib), LD_PRELOAD="other.so")[0] == "other.so|"
+    out, said = _alloc(tmp_path, CEPE_JEMALLOC=str(tmp_path / "missing.so"))
+    assert out == "|" and said.startswith("allocator: the system malloc")
