@@ -257,12 +257,15 @@ class AlignProbe:
         heads: supervised query heads per layer (the first ones).
         layers: supervised decoder layer indices (None = every cross-attention layer).
         losses: one mean negative log attention probability per supervised layer, filled by the forward.
+        reference: compute it by :func:`align_nll_ref` (every position's scores) instead of
+            :func:`align_nll` (the supervised positions' alone).
     """
 
     targets: torch.Tensor
     heads: int = 1
     layers: frozenset[int] | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
+    reference: bool = False
 
     def wants(self, layer_idx: int) -> bool:
         return self.layers is None or layer_idx in self.layers
@@ -277,7 +280,42 @@ class AlignProbe:
 def align_nll(
     q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float, probe: AlignProbe
 ) -> torch.Tensor:
-    """Mean ``-log p(attend to target)`` of the first ``probe.heads`` heads (fp32 scores).
+    """Mean ``-log p(attend to target)`` of the first ``probe.heads`` heads (fp32 scores), computed for the
+    supervised positions alone: :func:`align_nll_ref`'s value and gradient without the ``(B, h, T, S)``
+    scores of the positions that have no target (most of a batch of continuation examples; a batch
+    without targets costs nothing).
+
+    Args:
+        q: ``(B, H, T, hd)``; k: ``(B, KV, S, hd)``; key_mask: ``(B, S)`` bool or None.
+    """
+    h = min(probe.heads, q.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    tgt = probe.targets  # (B, T)
+    valid = tgt >= 0
+    count = int(valid.sum())
+    if count == 0:  # 0, still connected to the graph, as the reference gives it
+        return (q[:, :h].float().sum() + k.float().sum()) * 0.0
+    heads = torch.arange(h, device=k.device) // groups  # the key head each supervised query head reads
+    total = q.new_zeros((), dtype=torch.float32)
+    for b in range(q.shape[0]):
+        rows = valid[b].nonzero().squeeze(-1)  # (n,)
+        if rows.numel() == 0:
+            continue
+        kb = k[b].index_select(0, heads).float()  # (h, S, hd)
+        scores = (
+            torch.matmul(q[b, :h].index_select(1, rows).float(), kb.transpose(-1, -2)) * scale
+        )  # (h, n, S)
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[b][None, None, :], torch.finfo(scores.dtype).min)
+        logp = torch.log_softmax(scores, dim=-1)
+        total = total + logp.gather(-1, tgt[b, rows][None, :, None].expand(h, -1, 1)).sum()
+    return -total / (count * h)
+
+
+def align_nll_ref(
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float, probe: AlignProbe
+) -> torch.Tensor:
+    """:func:`align_nll`, the plain reference: the scores of every position, then the supervised ones picked.
 
     Args:
         q: ``(B, H, T, hd)``; k: ``(B, KV, S, hd)``; key_mask: ``(B, S)`` bool or None.
@@ -799,7 +837,8 @@ class CrossAttention(nn.Module):
                 k, v = self.project_kv(ctx.states.to(q.dtype))
                 nulled = False
             if ctx.align is not None and ctx.align.wants(self.layer_idx):  # over the real keys
-                ctx.align.losses.append(align_nll(q, k[:, :, int(nulled) :], key_mask, self.scale, ctx.align))
+                nll = align_nll_ref if ctx.align.reference else align_nll
+                ctx.align.losses.append(nll(q, k[:, :, int(nulled) :], key_mask, self.scale, ctx.align))
             if self.match_gate is not None:  # over the real keys too
                 match = self.match_stats(q, k[:, :, int(nulled) :], key_mask, ctx)
             if self.induction_gate is not None or self.run_bias is not None:  # (B, H, T) each

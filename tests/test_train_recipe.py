@@ -239,6 +239,36 @@ def test_align_nll_by_hand():
     assert float(got) == pytest.approx(nll / n, rel=1e-5)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_align_nll_on_the_supervised_rows_equals_the_reference(seed):
+    """The fast path (scores of the supervised positions alone) gives the reference's value and gradients
+    on random inputs: grouped key heads, padded keys, an example without targets, and a batch without any
+    (0, connected to the graph)."""
+    from cepe.cross_attention import AlignProbe, align_nll, align_nll_ref
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, kv, t, s_len, hd = 3, 6, 2, 9, 13, 8
+    q0, k0 = torch.randn(b, h, t, hd, generator=g), torch.randn(b, kv, s_len, hd, generator=g)
+    targets = torch.randint(0, s_len - 2, (b, t), generator=g)
+    targets[torch.rand(b, t, generator=g) < 0.5] = -1
+    targets[1] = -1  # an example with no target
+    mask = torch.rand(b, s_len, generator=g) < 0.85
+    mask[torch.arange(b), targets.clamp_min(0).max(-1).values] = True
+    mask[:, 0] = True
+    for tg in (targets, torch.full_like(targets, -1)):
+        out = []
+        for fn in (align_nll, align_nll_ref):
+            q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+            loss = fn(q, k, mask, 0.3, AlignProbe(tg, heads=4))
+            loss.backward()
+            out.append((loss.detach(), q.grad, k.grad))
+        (fast, gq, gk), (ref, rq, rk) = out
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gq, rq, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gk, rk, rtol=1e-5, atol=1e-6)
+    assert float(ref) == 0.0 and not gq.any()
+
+
 def test_attention_supervision_teaches_the_copy_position(tmp_path):
     """With align_coef the targets point at the copy of the next token and the supervised loss falls (on
     this tiny random decoder from sharply wrong attention to about uniform; the real decoder goes below)."""

@@ -121,6 +121,28 @@ def test_fast_paths_keep_the_tiny_loss_curve(tmp_path, stage, bf16):
     assert b == pytest.approx(a, rel=1e-5 if bf16 == "false" else 1e-3, abs=0), (a, b)
 
 
+def test_attention_supervision_fast_path_keeps_the_tiny_loss_curve(tmp_path):
+    """align_coef in a mixed stage: the attention loss over the supervised positions alone (fast) keeps
+    the reference's losses (every position's scores), the alignment term logged the same."""
+    kw = {
+        "steps": 6,
+        "save_every": 6,
+        "optim.lr": "1e-3",
+        "init_adapter": "null",
+        "tasks": "{lm: 2, copy: 1, recall: 1}",
+        "recall_cue": "4",
+        "recall_span": "[4, 12]",
+        "align_coef": "1.0",
+        "micro_batch_size": "2",
+    }
+    ref = read_log(train(_cfg("cepe", tmp_path / "ref", reference_path="true", **kw)))
+    fast = read_log(train(_cfg("cepe", tmp_path / "fast", **kw)))
+    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=0)
+    aligns = [r.get("align", 0.0) for r in ref]
+    assert [r.get("align", 0.0) for r in fast] == pytest.approx(aligns, rel=1e-5, abs=1e-7)
+    assert max(aligns) > 0.1  # supervised positions were there
+
+
 @pytest.mark.parametrize(
     "match", [{}, {"cepe.mix_match": "3"}, {"cepe.mix_match": "3", "cepe.mix_copy": "true"}]
 )

@@ -318,7 +318,7 @@ class StageModule(nn.Module):
                 targets = batch["align_targets"]  # (B, T) flat positions in the unpacked K·L
                 if m.cepe_config.pack_keys:
                     targets = packed_positions(batch["encoder_attention_mask"].flatten(1), targets)
-                ctx.align = AlignProbe(targets, self.align_heads, self.align_layers)
+                ctx.align = AlignProbe(targets, self.align_heads, self.align_layers, reference=not self.fast)
             if self.stage != "ceped":
                 extra: dict[str, torch.Tensor] = {}
                 distill = "teacher_probs" in batch
