@@ -60,3 +60,15 @@ def test_taught_share_prints_each_kind_and_all(tmp_path, capsys):
         and 0 < t_all == int(rows["lm"][1]) < int(rows["lm"][0])
         and rows["recall"][1].strip() == "0"
     )
+
+
+def test_training_says_which_malloc_serves_a_cpu_run(monkeypatch):
+    import torch
+
+    from cepe.training.trainer import _allocator_note
+
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert _allocator_note(torch.device("cpu")) == ", jemalloc"
+    monkeypatch.delenv("LD_PRELOAD")
+    assert "scripts/fast_alloc.sh" in _allocator_note(torch.device("cpu"))
+    assert _allocator_note(torch.device("cuda")) == ""

@@ -177,6 +177,16 @@ def _threads_note() -> str:
     return f"{n} threads"
 
 
+def _allocator_note(device: torch.device) -> str:
+    """On a CPU, which malloc serves the tensors: jemalloc where it is preloaded, else a hint (glibc's
+    returns large freed tensors to the kernel; "Where a CPU step's time went" in docs/TRAINING.md)."""
+    if device.type != "cpu":
+        return ""
+    if "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+        return ", jemalloc"
+    return ", the system malloc (`. scripts/fast_alloc.sh` before this preloads jemalloc: faster CPU steps)"
+
+
 def _print(enabled: bool, text: str) -> None:
     if enabled:
         print(text, flush=True)
@@ -622,7 +632,7 @@ def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
         run.main,
         f"{cfg.stage}: compute {run.compute_dtype}"
         + ("" if cfg.reference_path else " (fast paths)" if cfg.stage != "mlm" else "")
-        + f", {_threads_note()}, {run.world} process(es); "
+        + f", {_threads_note()}{_allocator_note(run.acc.device)}, {run.world} process(es); "
         f"{run.flops['total'] / 1e12:.3f} TFLOP per step by the cost model ({COST_MODEL})"
         + (f"; {run.compute_dtype} matmul peak {run.peak / 1e9:.0f} GFLOP/s" if run.peak else ""),
     )
