@@ -10,6 +10,8 @@ Everything comes from the run folders and the configs; no model is loaded and no
   checkpoint's step: the rows are the steps the run kept, each once (``cepe.training.trainer.read_log``).
 - the loss windows: the mean of ``loss`` (and of each ``--terms`` key the rows carry) over steps 1-N,
   N+1-2N, ... (``--every N``, default 50); a last window shorter than N is marked with its step range.
+- ``--pace-from N`` / ``--pace-to M``: the median over steps N to M only (before and after a change of
+  speed, e.g. a restart with another allocator); the loss windows still cover every step.
 - hours left: each stage's remaining steps times its own median; a stage not yet begun has no pace of its
   own (nor has a stage whose first step is under way) and is left out of the sum, which names them.
 
@@ -17,7 +19,7 @@ The chain's ``heads:NAME`` entries (heads fitted and judged, no training steps) 
 chain's own arguments can be given.
 
 Usage: python scripts/chain_report.py NAME [NAME ...] [--runs runs/recipe] [--every 50]
-    [--terms lm_qa,lm_lm] [--out OUT]
+    [--terms lm_qa,lm_lm] [--pace-from N] [--pace-to M] [--out OUT]
 (``--out OUT`` writes OUT.json and OUT.md; the markdown table is printed either way.)
 e.g.   python scripts/chain_report.py fast_warmup fast_direct_copy fast_direct_recall2 read_lm
 """
@@ -75,8 +77,17 @@ def newest_checkpoint(out: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def stage_row(name: str, runs: Path, configs: Path, every: int, terms: list[str]) -> dict[str, Any]:
-    """One stage's measured state (see the module docstring)."""
+def stage_row(
+    name: str,
+    runs: Path,
+    configs: Path,
+    every: int,
+    terms: list[str],
+    pace_from: int = 1,
+    pace_to: int | None = None,
+) -> dict[str, Any]:
+    """One stage's measured state (see the module docstring); the pace (median step time, and the hours
+    left from it) over the steps numbered ``pace_from`` to ``pace_to`` (None: the last)."""
     total = stage_steps(name, configs)
     out = runs / name
     try:
@@ -84,7 +95,11 @@ def stage_row(name: str, runs: Path, configs: Path, every: int, terms: list[str]
     except ValueError as e:
         raise SystemExit(str(e)) from None
     done = rows[-1]["step"] if rows else 0
-    step_s = [float(r["step_s"]) for r in rows if "step_s" in r]
+    step_s = [
+        float(r["step_s"])
+        for r in rows
+        if "step_s" in r and r["step"] >= pace_from and (pace_to is None or r["step"] <= pace_to)
+    ]
     median = statistics.median(step_s) if step_s else None
     state = "not begun"
     status = out / "status.json"
@@ -159,13 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=str(CONFIGS), help=f"recipe configs (default {CONFIGS})")
     ap.add_argument("--every", type=int, default=50, help="steps per loss window (default 50)")
     ap.add_argument("--terms", default="", help="comma-separated loss terms to window too, e.g. lm_qa,lm_lm")
+    ap.add_argument(
+        "--pace-from",
+        type=int,
+        default=1,
+        help="the median step time over steps from this one on (e.g. after a change of speed; default 1)",
+    )
+    ap.add_argument("--pace-to", type=int, default=None, help="... and up to this one (default: the last)")
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     if args.every <= 0:
         ap.error(f"--every must be a positive number of steps, got {args.every}")
     terms = [t for t in args.terms.split(",") if t]
     stages = [n for n in args.stages if not n.startswith("heads:")]  # the chain's heads: no training steps
-    rows = [stage_row(n, Path(args.runs), Path(args.configs), args.every, terms) for n in stages]
+    rows = [
+        stage_row(n, Path(args.runs), Path(args.configs), args.every, terms, args.pace_from, args.pace_to)
+        for n in stages
+    ]
     lines = [*table(rows), "", summary(rows)]
     print("\n".join(lines))
     if args.out:

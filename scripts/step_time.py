@@ -3,7 +3,8 @@ backward, the stage's losses; no optimizer update), and say where the process's 
 user and system CPU seconds, minor page faults and peak resident memory. For comparing what surrounds the
 step (the allocator, thread settings) on the same examples; run it with the cores otherwise idle.
 
-The first micro-batch runs once untimed (warm-up); then the step's micro-batches are timed once each.
+The first micro-batch runs once untimed (warm-up); then the step's micro-batches are timed once each
+(``--steps N``: N consecutive steps', with each step's wall time and the resident memory after it).
 
 Usage: python scripts/step_time.py CONFIG [--step 5] [--micro 2] [--set KEY=VALUE ...] [--out OUT.json]
 e.g.   python scripts/step_time.py configs/train/recipe/read_lm6.yaml --step 5 \
@@ -26,12 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--step", type=int, default=5, help="the optimizer step whose examples are timed")
     ap.add_argument("--micro", type=int, default=None, help="time only the first N micro-batches")
+    ap.add_argument(
+        "--steps", type=int, default=1, help="time this many consecutive steps from --step (memory over time)"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument(
+        "--no-purge",
+        action="store_true",
+        help="do not purge jemalloc's kept pages after each step, as training does",
+    )
     ap.add_argument("--out", help="also write the result as JSON here")
     args = ap.parse_args(argv)
 
     import torch
 
+    from cepe.alloc import purge
     from cepe.training.config import load_config
     from cepe.training.data import collate, example_indices, regroup_chunks, step_chunk_length, step_layout
     from cepe.training.runctl import decide_bf16
@@ -45,33 +55,49 @@ def main(argv: list[str] | None = None) -> int:
     model, _, module = _build_modules(cfg, use_bf16)
     make = example_maker(cfg, model)
     accum = cfg.batch_size // cfg.micro_batch_size
-    batches = []
-    for micro in range(accum if args.micro is None else min(args.micro, accum)):
-        idx = example_indices(args.step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
-        batch = collate([make(i, *step_layout(cfg, args.step, micro)) for i in idx])
-        batch.pop("index")
-        length = step_chunk_length(cfg, args.step, micro)
-        batches.append(regroup_chunks(batch, length) if length is not None else batch)
+    batches = []  # (step, batch)
+    for step in range(args.step, args.step + args.steps):
+        for micro in range(accum if args.micro is None else min(args.micro, accum)):
+            idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
+            batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
+            batch.pop("index")
+            length = step_chunk_length(cfg, step, micro)
+            batches.append((step, regroup_chunks(batch, length) if length is not None else batch))
 
     def run(batch: dict) -> None:
         loss, _ = module(batch)
         loss.backward()
         module.release()
 
-    run(batches[0])
+    def rss_gib() -> float:  # resident now (the peak is ru_maxrss)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+    run(batches[0][1])
     before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    for batch in batches:
+    per_step: dict[int, float] = {}
+    rss_after: dict[int, float] = {}
+    for n, (step, batch) in enumerate(batches):
+        t = time.perf_counter()
         run(batch)
+        if not args.no_purge and (n + 1 == len(batches) or batches[n + 1][0] != step):
+            purge()  # the step's end, as training does it
+        per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t
+        rss_after[step] = round(rss_gib(), 2)
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     result = {
         "config": args.config,
         "step": args.step,
         "micro_batches": len(batches),
-        "encoder_shapes": [list(b["encoder_input_ids"].shape) for b in batches],
+        "steps": args.steps,
+        "encoder_shapes": [list(b["encoder_input_ids"].shape) for _, b in batches],
+        "step_wall_s": [round(v, 2) for v in per_step.values()],
+        "rss_gib_after_each_step": list(rss_after.values()),
         "bf16": use_bf16,
         "threads": torch.get_num_threads(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "malloc_conf": os.environ.get("MALLOC_CONF", ""),
+        "purged_each_step": not args.no_purge,
         "wall_s": round(wall, 2),
         "user_s": round(after.ru_utime - before.ru_utime, 2),
         "system_s": round(after.ru_stime - before.ru_stime, 2),

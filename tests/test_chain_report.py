@@ -56,6 +56,15 @@ def test_steps_pace_windows_and_hours_left(tmp_path, capsys):
     )
     assert out.with_suffix(".md").read_text() == printed
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["stage"] == "c"
+    # the pace from a later step: the median of steps 4-6 (3.0, 2.0, 2.0) is 2.0; from 5: (600 + 2) / 2
+    assert mod.stage_row("a", runs, configs, every=4, terms=[], pace_from=5)["median_step_s"] == 301.0
+    assert mod.stage_row("b", runs, configs, every=4, terms=[], pace_from=2)["median_step_s"] is None
+    assert mod.stage_row("a", runs, configs, every=4, terms=[], pace_to=2)["median_step_s"] == 2.5
+    assert (
+        mod.main(["a", "--runs", str(runs), "--configs", str(configs), "--pace-from", "5", "--pace-to", "6"])
+        == 0
+    )
+    assert "| a | done | 6 / 6 | 301.0 |" in capsys.readouterr().out
     # the chain's own arguments: its heads entries have no training steps and are left out
     assert mod.main(["a", "heads:zzz", "b", "c", *args[3:7], "--every", "4"]) == 0
     assert capsys.readouterr().out == printed

@@ -65,10 +65,38 @@ def test_taught_share_prints_each_kind_and_all(tmp_path, capsys):
 def test_training_says_which_malloc_serves_a_cpu_run(monkeypatch):
     import torch
 
+    import cepe.training.trainer as trainer
     from cepe.training.trainer import _allocator_note
 
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert _allocator_note(torch.device("cpu")) == ", jemalloc"
-    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.setattr(trainer, "jemalloc_active", lambda: True)
+    assert _allocator_note(torch.device("cpu")) == ", jemalloc (purged each step)"
+    monkeypatch.setattr(trainer, "jemalloc_active", lambda: False)
     assert "scripts/fast_alloc.sh" in _allocator_note(torch.device("cpu"))
     assert _allocator_note(torch.device("cuda")) == ""
+
+
+@pytest.mark.multiproc
+def test_purge_is_a_no_op_without_jemalloc_and_returns_its_pages_with_it(tmp_path):
+    """Without jemalloc ``purge`` says so (False); in a process that preloads it (where the machine has
+    it), it purges, and a freed large tensor's pages leave the resident memory."""
+    import os
+    import subprocess
+    import sys
+
+    from cepe import alloc
+
+    if not alloc.jemalloc_active():
+        assert alloc.purge() is False and alloc.describe() == "the system malloc"
+    lib = next((p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",) if os.path.isfile(p)), None)
+    if lib is None:
+        pytest.skip("no libjemalloc.so.2 on this machine")
+    code = (
+        "import os, torch; from cepe import alloc\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20\n"
+        "x = torch.ones(64 * 2**20 // 4); del x; kept = rss()\n"
+        "ok = alloc.purge(); print(alloc.describe(), ok, round(kept - rss()))\n"
+    )
+    env = {**os.environ, "LD_PRELOAD": lib, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    name, ok, freed_mib = out.stdout.rsplit(maxsplit=2)
+    assert name == "jemalloc" and ok == "True" and int(freed_mib) >= 48, out.stdout

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cepe.alloc import jemalloc_active, purge
 from cepe.config import is_adapter_key
 
 from .checkpoint import checkpoint_dirs, load_checkpoint, rng_state, save_checkpoint
@@ -178,12 +179,13 @@ def _threads_note() -> str:
 
 
 def _allocator_note(device: torch.device) -> str:
-    """On a CPU, which malloc serves the tensors: jemalloc where it is preloaded, else a hint (glibc's
-    returns large freed tensors to the kernel; "Where a CPU step's time went" in docs/TRAINING.md)."""
+    """On a CPU, which malloc serves the tensors: jemalloc where it serves this process (its kept pages
+    purged after each step, :mod:`cepe.alloc`), else a hint (glibc's returns large freed tensors to the
+    kernel; "Where a CPU step's time went" in docs/TRAINING.md)."""
     if device.type != "cpu":
         return ""
-    if "jemalloc" in os.environ.get("LD_PRELOAD", ""):
-        return ", jemalloc"
+    if jemalloc_active():
+        return ", jemalloc (purged each step)"
     return ", the system malloc (`. scripts/fast_alloc.sh` before this preloads jemalloc: faster CPU steps)"
 
 
@@ -714,6 +716,8 @@ def _step(run: _Run, step: int) -> _StepResult:
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if acc.device.type == "cpu":  # jemalloc's kept pages back to the kernel: a step's footprint, not more
+        purge()
 
     loss_value = acc.reduce(torch.stack(losses).mean(), "mean")
     metric_values = {k: float(acc.reduce(torch.stack(v).mean(), "mean")) for k, v in extra.items()}
