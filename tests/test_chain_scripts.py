@@ -333,6 +333,7 @@ def test_probe_stage_runs_every_probe_and_skip_done_keeps_those_already_there(tm
 _FAKE_CEPE = r"""#!/usr/bin/env bash
 # stands in for cepe: records its arguments and writes what each command would
 echo "cepe $*" >> "$CALLS"
+[ -z "${LD_PRELOAD:-}" ] || echo "$1 $LD_PRELOAD" >> "$CALLS.preload"
 case "$1" in
   fit-heads) mkdir -p "runs/recipe/$(basename "$3" .yaml)-fit/adapter"
              echo '{}' > "runs/recipe/$(basename "$3" .yaml)-fit/adapter/cepe_config.json" ;;
@@ -530,3 +531,26 @@ def test_fast_alloc_preloads_the_named_jemalloc_and_nothing_else(tmp_path):
     assert _alloc(tmp_path, CEPE_JEMALLOC=str(lib), LD_PRELOAD="other.so")[0] == "other.so|"
     out, said = _alloc(tmp_path, CEPE_JEMALLOC=str(tmp_path / "missing.so"))
     assert out == "|" and said.startswith("allocator: the system malloc")
+
+
+def test_heads_and_validate_drops_a_jemalloc_preload_and_keeps_others(tmp_path):
+    """Heads fits and evaluations do not purge jemalloc's kept pages, so they run without a jemalloc
+    preload the chain passes down (scripts/fast_alloc.sh); another preload is the user's and stays."""
+    root, _, calls = _heads_tree(tmp_path)
+    for preload, kept in (("libjemalloc.so.2", False), ("libother.so", True)):
+        for p in root.glob("results/recipe/mix_fit14*"):
+            shutil.rmtree(p)
+        shutil.rmtree(root / "runs/recipe/mix_fit14-fit", ignore_errors=True)
+        env = {**os.environ, "LD_PRELOAD": preload, "MALLOC_CONF": "x"}
+        proc = subprocess.run(
+            ["bash", "scripts/heads_and_validate.sh", "mix_fit14"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        _wait(root / "runs/recipe/heads.pid", 120)
+        seen = Path(f"{calls}.preload")
+        lines = seen.read_text().splitlines() if seen.exists() else []
+        assert (len(lines) > 0) == kept and all(line.endswith(" libother.so") for line in lines)
