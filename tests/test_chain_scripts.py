@@ -422,15 +422,8 @@ def test_heads_and_validate_goes_on_past_a_failed_evaluation_and_logs_a_stop(tmp
     assert "stopped by an error (exit 3)" in tail and "mix_fit14: done" not in tail
 
 
-def test_heads_and_validate_refuses_unknown_recipes_and_gives_up_waiting_without_a_chain(tmp_path):
-    root = _tree(tmp_path)
-    shutil.copy(ROOT / "scripts/heads_and_validate.sh", root / "scripts/heads_and_validate.sh")
-    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
-    proc = subprocess.run(
-        ["bash", "scripts/heads_and_validate.sh", "nope"], cwd=root, capture_output=True, text=True
-    )
-    assert proc.returncode == 2 and "no such heads recipe: configs/train/recipe/nope.yaml" in proc.stderr
-    env = {**os.environ, "WAIT_FOR": "read_lm4"}
+def _heads_mix_fit14(root: Path, env: dict[str, str]) -> None:
+    """Start ``heads_and_validate.sh mix_fit14`` in ``root`` with ``env`` and wait for it to end."""
     proc = subprocess.run(
         ["bash", "scripts/heads_and_validate.sh", "mix_fit14"],
         cwd=root,
@@ -439,7 +432,18 @@ def test_heads_and_validate_refuses_unknown_recipes_and_gives_up_waiting_without
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    _wait(root / "runs/recipe/heads.pid")
+    _wait(root / "runs/recipe/heads.pid", 120)
+
+
+def test_heads_and_validate_refuses_unknown_recipes_and_gives_up_waiting_without_a_chain(tmp_path):
+    root = _tree(tmp_path)
+    shutil.copy(ROOT / "scripts/heads_and_validate.sh", root / "scripts/heads_and_validate.sh")
+    shutil.copytree(ROOT / "configs/train/recipe", root / "configs/train/recipe", dirs_exist_ok=True)
+    proc = subprocess.run(
+        ["bash", "scripts/heads_and_validate.sh", "nope"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "no such heads recipe: configs/train/recipe/nope.yaml" in proc.stderr
+    _heads_mix_fit14(root, {**os.environ, "WAIT_FOR": "read_lm4"})
     log = (root / "runs/recipe/heads.log").read_text()
     assert "the chain is not running and read_lm4 is not done" in log and "fit-heads" not in log
 
@@ -541,16 +545,7 @@ def test_heads_and_validate_drops_a_jemalloc_preload_and_keeps_others(tmp_path):
         for p in root.glob("results/recipe/mix_fit14*"):
             shutil.rmtree(p)
         shutil.rmtree(root / "runs/recipe/mix_fit14-fit", ignore_errors=True)
-        env = {**os.environ, "LD_PRELOAD": preload, "MALLOC_CONF": "x"}
-        proc = subprocess.run(
-            ["bash", "scripts/heads_and_validate.sh", "mix_fit14"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr
-        _wait(root / "runs/recipe/heads.pid", 120)
+        _heads_mix_fit14(root, {**os.environ, "LD_PRELOAD": preload, "MALLOC_CONF": "x"})
         seen = Path(f"{calls}.preload")
         lines = seen.read_text().splitlines() if seen.exists() else []
         assert (len(lines) > 0) == kept and all(line.endswith(" libother.so") for line in lines)

@@ -7,34 +7,20 @@ import copy
 
 import pytest
 import torch
-import yaml
+from test_train_online_teacher import _cfg as online_cfg
+from test_train_online_teacher import assert_plain_kl_and_ce
 
 from cepe.chunking import chunk_ids
-from cepe.training.config import load_config
 from cepe.training.data import build_example, collate, window_source
-from cepe.training.losses import teacher_topk, topk_kl
+from cepe.training.losses import teacher_topk
 from cepe.training.models import StageModule, build_model, load_teacher
 from cepe.training.online_teacher import adapter_teacher_topk
 from cepe.training.trainer import read_log, train
 
 
 def _cfg(tmp_path, **over):
-    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
-    d.pop("init_adapter")
-    d.update(
-        output_dir=str(tmp_path / "run"),
-        steps=4,
-        progress=False,
-        data={"synthetic": "distinct"},
-        encoder_init="decoder",
-        encoder={"num_hidden_layers": 1},
-        cepe={"init_mode": "gate", "mirror_self_attention": True},
-        online_teacher=True,
-        top_k=16,
-        chunk_noise=0.0,
-    )
-    d.update(over)
-    return load_config(d)
+    """The online teacher tests' tiny config, without chunk noise (the student reads what it is given)."""
+    return online_cfg(tmp_path, **{"chunk_noise": 0.0, **over})
 
 
 def _open_gates(model, value: float = 0.5) -> None:
@@ -52,6 +38,12 @@ def _saved(model, path, chunk_length: int | None = None):
         model.cepe_config.chunk_length = chunk_length
     model.save_pretrained(path)
     return str(path)
+
+
+def _teacher_args(batch):
+    """The batch's arguments of the teacher functions, with k = 16."""
+    keys = ("input_ids", "labels", "encoder_input_ids", "encoder_attention_mask")
+    return (*(batch[k] for k in keys), 16)
 
 
 def _batch(cfg, n: int = 4):
@@ -142,26 +134,9 @@ def test_teacher_max_context_teaches_only_the_short_contexts(tmp_path):
     module = StageModule(model, capped)
     _, metrics = module(batch)
     module.release()
-    args = (
-        batch["input_ids"],
-        batch["labels"],
-        batch["encoder_input_ids"],
-        batch["encoder_attention_mask"],
-        16,
-    )
+    args = _teacher_args(batch)
     probs, idx = adapter_teacher_topk(module._teacher[0], *args, select=short)
-    with torch.no_grad():
-        logits = model(
-            batch["input_ids"],
-            encoder_input_ids=batch["encoder_input_ids"],
-            encoder_attention_mask=batch["encoder_attention_mask"],
-        ).logits[:, :-1]
-    keep = batch["labels"][:, 1:] != -100
-    sel = keep & short[:, None]
-    kl = topk_kl(logits[sel], probs[sel], idx[sel], capped.kl_form)
-    ce = torch.nn.functional.cross_entropy(logits[keep].float(), batch["labels"][:, 1:][keep])
-    torch.testing.assert_close(metrics["kl"], kl, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(metrics["lm"], ce, rtol=1e-4, atol=1e-5)
+    kl = assert_plain_kl_and_ce(model, batch, probs, idx, short, capped.kl_form, metrics)
     assert float(kl) > 0.01
     uncapped = StageModule(model, _cfg(tmp_path, context_drop=1.0, teacher_adapter=path))
     _, every = uncapped(batch)
@@ -216,13 +191,7 @@ def test_teacher_drop_mixture_teaches_with_the_reader_alone(tmp_path):
         mixed.mix_head.bias.fill_(1.0)  # the mixture leans on one side: it differs from the reader
     path = _saved(mixed, tmp_path / "mixed")
     batch = _batch(cfg)
-    args = (
-        batch["input_ids"],
-        batch["labels"],
-        batch["encoder_input_ids"],
-        batch["encoder_attention_mask"],
-        16,
-    )
+    args = _teacher_args(batch)
     with_mix = load_teacher(_cfg(tmp_path, teacher_adapter=path))
     dropped = load_teacher(_cfg(tmp_path, teacher_adapter=path, teacher_drop_mixture=True))
     alone = load_teacher(_cfg(tmp_path, teacher_adapter=reader))

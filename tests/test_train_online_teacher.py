@@ -211,6 +211,16 @@ def test_teacher_tasks_distil_only_the_named_kinds(tmp_path):
     everyone, _ = online_teacher_topk(*args)
     assert not probs[~taught].any() and probs[~taught].shape[0] > 0
     torch.testing.assert_close(probs[taught], everyone[taught])
+    kl = assert_plain_kl_and_ce(model, batch, probs, idx, taught, cfg.kl_form, metrics)
+    assert float(kl) > 0.05
+    # every kind taught: the KL also counts the recall rows, so it differs
+    _, all_taught = StageModule(model, _cfg(tmp_path, teacher_tasks=["lm", "recall"], **mixed))(batch)
+    assert abs(float(all_taught["kl"]) - float(kl)) > 1e-4
+
+
+def assert_plain_kl_and_ce(model, batch, probs, idx, taught, kl_form, metrics):
+    """The stage module's logged KL and CE are the plain ones by hand: the KL over the scored rows of the
+    ``taught`` examples ``(B,)``, the CE over every scored row. Returns the KL."""
     with torch.no_grad():
         logits = model(
             batch["input_ids"],
@@ -219,14 +229,11 @@ def test_teacher_tasks_distil_only_the_named_kinds(tmp_path):
         ).logits[:, :-1]
     keep = batch["labels"][:, 1:] != -100
     sel = keep & taught[:, None]
-    kl = topk_kl(logits[sel], probs[sel], idx[sel], cfg.kl_form)
+    kl = topk_kl(logits[sel], probs[sel], idx[sel], kl_form)
     ce = torch.nn.functional.cross_entropy(logits[keep].float(), batch["labels"][:, 1:][keep])
     torch.testing.assert_close(metrics["kl"], kl, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(metrics["lm"], ce, rtol=1e-4, atol=1e-5)
-    assert float(kl) > 0.05
-    # every kind taught: the KL also counts the recall rows, so it differs
-    _, all_taught = StageModule(model, _cfg(tmp_path, teacher_tasks=["lm", "recall"], **mixed))(batch)
-    assert abs(float(all_taught["kl"]) - float(kl)) > 1e-4
+    return kl
 
 
 def test_teacher_keeps_the_last_context_that_fits_its_positions(tmp_path):
