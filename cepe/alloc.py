@@ -20,7 +20,7 @@ def _mallctl():
     """jemalloc's ``mallctl`` where it serves this process (preloaded), else None."""
     try:
         f = ctypes.CDLL(None).mallctl
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # TypeError: no CDLL(None) (Windows)
         return None
     f.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     f.restype = ctypes.c_int
