@@ -39,8 +39,3 @@ def purge() -> bool:
     if f is None:
         return False
     return f(f"arena.{_ALL_ARENAS}.purge".encode(), None, None, None, 0) == 0
-
-
-def describe() -> str:
-    """``"jemalloc"`` or ``"the system malloc"``, for logs."""
-    return "jemalloc" if jemalloc_active() else "the system malloc"

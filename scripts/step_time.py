@@ -43,9 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from cepe.alloc import purge
     from cepe.training.config import load_config
-    from cepe.training.data import collate, example_indices, regroup_chunks, step_chunk_length, step_layout
     from cepe.training.runctl import decide_bf16
-    from cepe.training.trainer import _build_modules, example_maker
+    from cepe.training.trainer import _build_modules, example_maker, micro_batch
 
     cfg = load_config(args.config, overrides=args.set)
     if cfg.stage == "mlm":
@@ -55,14 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     model, _, module = _build_modules(cfg, use_bf16)
     make = example_maker(cfg, model)
     accum = cfg.batch_size // cfg.micro_batch_size
-    batches = []  # (step, batch)
-    for step in range(args.step, args.step + args.steps):
-        for micro in range(accum if args.micro is None else min(args.micro, accum)):
-            idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
-            batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
-            batch.pop("index")
-            length = step_chunk_length(cfg, step, micro)
-            batches.append((step, regroup_chunks(batch, length) if length is not None else batch))
+    micros = accum if args.micro is None else min(args.micro, accum)
+    steps = range(args.step, args.step + args.steps)
+    batches = [(step, micro_batch(cfg, make, step, micro)) for step in steps for micro in range(micros)]
 
     def run(batch: dict) -> None:
         loss, _ = module(batch)

@@ -1,6 +1,6 @@
 """How many examples the online teacher runs for, kind by kind, in a stage with ``online_teacher: true``:
 each example built as training builds it (its micro-batch's drawn layout and masks) and counted as taught
-by ``teacher_tasks`` and ``teacher_max_context`` (:func:`cepe.training.data.taught_counts`). No model is
+by ``teacher_tasks`` and ``teacher_max_context`` (:func:`cepe.training.trainer.taught_counts`). No model is
 loaded; the stage's data must be prepared (``runs/data/...``, as its chain makes it).
 
 Usage: python scripts/taught_share.py CONFIG [--steps N]
@@ -13,7 +13,7 @@ import argparse
 
 from cepe.tables import pipe_table
 from cepe.training.config import load_config
-from cepe.training.data import taught_counts
+from cepe.training.trainer import taught_counts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,7 @@ def test_purge_is_a_no_op_without_jemalloc_and_returns_its_pages_with_it(tmp_pat
     from cepe import alloc
 
     if not alloc.jemalloc_active():
-        assert alloc.purge() is False and alloc.describe() == "the system malloc"
+        assert alloc.purge() is False
     lib = next((p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",) if os.path.isfile(p)), None)
     if lib is None:
         pytest.skip("no libjemalloc.so.2 on this machine")
@@ -94,9 +94,9 @@ def test_purge_is_a_no_op_without_jemalloc_and_returns_its_pages_with_it(tmp_pat
         "import os, torch; from cepe import alloc\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20\n"
         "x = torch.ones(64 * 2**20 // 4); del x; kept = rss()\n"
-        "ok = alloc.purge(); print(alloc.describe(), ok, round(kept - rss()))\n"
+        "ok = alloc.purge(); print(alloc.jemalloc_active(), ok, round(kept - rss()))\n"
     )
     env = {**os.environ, "LD_PRELOAD": lib, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    name, ok, freed_mib = out.stdout.rsplit(maxsplit=2)
-    assert name == "jemalloc" and ok == "True" and int(freed_mib) >= 48, out.stdout
+    active, ok, freed_mib = out.stdout.split()
+    assert active == "True" and ok == "True" and int(freed_mib) >= 48, out.stdout

@@ -244,7 +244,8 @@ def test_cost_model_counts_the_adapter_teacher(tmp_path):
 def test_taught_counts_are_the_rows_the_teacher_runs_for(tmp_path):
     """``taught_counts`` counts, kind by kind, the examples whose rows the stage module gives the teacher:
     one step's batch built as training builds it has as many teacher rows as it says."""
-    from cepe.training.data import example_indices, step_layout, taught_counts
+    from cepe.training.data import example_indices, step_layout
+    from cepe.training.trainer import taught_counts
 
     mixed = {"tasks": {"lm": 2, "recall": 1}, "recall_cue": 4, "recall_span": [4, 12], "context_drop": 1.0}
     cfg = _cfg(

@@ -503,37 +503,3 @@ def example_indices(
     """
     start = step * batch_size + (micro * world + rank) * micro_batch
     return list(range(start, start + micro_batch))
-
-
-def taught_counts(cfg: TrainConfig, steps: int | None = None) -> dict[str, tuple[int, int]]:
-    """How many examples of each kind the online teacher runs for over the first ``steps`` optimizer steps
-    (default: all of ``cfg.steps``), one process: ``{kind: (examples, taught)}``. Each example is built as
-    training builds it (its micro-batch's drawn layout, its masks), then counted as taught when its kind is
-    in ``teacher_tasks`` (any kind without it) and its kept context has at most ``teacher_max_context``
-    tokens. Builds examples only: no model is loaded."""
-    if not cfg.online_teacher:
-        raise ValueError("taught_counts needs a config with online_teacher: true")
-    if cfg.stage != "cepe":
-        raise ValueError(f"taught_counts counts the examples of a cepe stage, got stage {cfg.stage!r}")
-    from .models import decoder_vocab_size
-
-    source = window_source(cfg, decoder_vocab_size(cfg))
-    accum = cfg.batch_size // cfg.micro_batch_size
-    kinds = cfg.teacher_tasks
-    out: dict[str, list[int]] = {}
-    for step in range(cfg.steps if steps is None else steps):
-        for micro in range(accum):
-            layout = step_layout(cfg, step, micro)
-            for i in example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1):
-                c, window = at_layout(cfg, source[i], *layout)
-                kind = example_task(cfg, i) if cfg.tasks is not None else "lm"
-                foreign = source[i + FOREIGN_OFFSET] if needs_foreign(cfg, i) else None
-                ex = build_example(c, window, i, None, foreign=foreign)
-                kept = int(ex["encoder_attention_mask"].sum())
-                taught = (kinds is None or kind in kinds) and (
-                    cfg.teacher_max_context is None or kept <= cfg.teacher_max_context
-                )
-                n = out.setdefault(kind, [0, 0])
-                n[0] += 1
-                n[1] += int(taught)
-    return {k: (v[0], v[1]) for k, v in out.items()}

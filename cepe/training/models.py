@@ -239,6 +239,21 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def teacher_rows(
+    batch: dict[str, torch.Tensor], kinds: list[int] | None, max_context: int | None
+) -> torch.Tensor | None:
+    """``(B,)`` bool, the examples the online teacher runs for: those of the ``kinds`` (indices in
+    ``TASK_KINDS``; None = every kind) whose kept context has at most ``max_context`` tokens (None = any);
+    None where every example is taught."""
+    rows = None
+    if kinds is not None:
+        rows = torch.isin(batch["task"], torch.tensor(kinds, device=batch["task"].device))
+    if max_context is not None:
+        short = batch["encoder_attention_mask"].flatten(1).sum(-1) <= max_context
+        rows = short if rows is None else rows & short
+    return rows
+
+
 def load_teacher(cfg: TrainConfig) -> CepeForCausalLM:
     """The adapter of ``cfg.teacher_adapter`` over its own frozen copy of the stage's decoder (eval mode, no
     gradients; without its output mixture with ``cfg.teacher_drop_mixture``)."""
@@ -382,12 +397,7 @@ class StageModule(nn.Module):
         from .online_teacher import adapter_teacher_topk, online_teacher_topk
 
         device = batch["input_ids"].device
-        rows = None  # (B,) the examples the teacher is run for
-        if self.teacher_kinds is not None:
-            rows = torch.isin(batch["task"], torch.tensor(self.teacher_kinds, device=batch["task"].device))
-        if self.teacher_max_context is not None:
-            short = batch["encoder_attention_mask"].flatten(1).sum(-1) <= self.teacher_max_context
-            rows = short if rows is None else rows & short
+        rows = teacher_rows(batch, self.teacher_kinds, self.teacher_max_context)
         if rows is not None:
             batch["teacher_rows"] = rows
         args = (

@@ -569,11 +569,21 @@ def _measure_peak(run: _Run, use_bf16: bool) -> float | None:
     return run.agree(peak_box)[0]
 
 
-def example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[..., dict[str, torch.Tensor]]:
-    """Global example index → the stage's example (with the teacher's top-k for CEPED)."""
-    vocab = int(inner.config.vocab_size) if cfg.stage != "mlm" else int(inner.encoder.config.vocab_size) - 1
+def example_maker(cfg: TrainConfig, inner: nn.Module | None = None) -> Callable[..., dict[str, torch.Tensor]]:
+    """Global example index → the stage's example (with the teacher's top-k for CEPED). Without ``inner``
+    (a CEPE stage only) the vocabulary is read from the decoder's config, no weights loaded."""
+    if inner is None:
+        if cfg.stage == "mlm":
+            raise ValueError("the mlm stage's examples need its model (the encoder's [MASK] token)")
+        from .models import decoder_vocab_size
+
+        vocab = decoder_vocab_size(cfg)
+    else:
+        vocab = (
+            int(inner.config.vocab_size) if cfg.stage != "mlm" else int(inner.encoder.config.vocab_size) - 1
+        )
     source = window_source(cfg, vocab)
-    mask_id = inner.encoder.config.mask_token_id if cfg.stage == "mlm" else None
+    mask_id = inner.encoder.config.mask_token_id if cfg.stage == "mlm" and inner is not None else None
     teacher = None
     if cfg.stage == "ceped" and not cfg.online_teacher:
         from .teacher import TeacherStore
@@ -597,6 +607,52 @@ def example_maker(cfg: TrainConfig, inner: nn.Module) -> Callable[..., dict[str,
         return ex
 
     return make
+
+
+def micro_batch(
+    cfg: TrainConfig,
+    make: Callable[..., dict[str, torch.Tensor]],
+    step: int,
+    micro: int,
+    rank: int = 0,
+    world: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Micro-batch ``micro`` of optimizer step ``step`` on process ``rank`` of ``world``, as training runs it:
+    its examples at the micro-batch's drawn layout, collated, regrouped to its drawn chunk length (CPU)."""
+    idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, rank, world)
+    batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
+    batch.pop("index")
+    length = step_chunk_length(cfg, step, micro)
+    return regroup_chunks(batch, length) if length is not None else batch
+
+
+def taught_counts(cfg: TrainConfig, steps: int | None = None) -> dict[str, tuple[int, int]]:
+    """How many examples of each kind the online teacher runs for over the first ``steps`` optimizer steps
+    (default: all of ``cfg.steps``), one process: ``{kind: (examples, taught)}``, from the micro-batches
+    training builds and the rule the stage module applies (:func:`cepe.training.models.teacher_rows`). Builds
+    examples only: no model is loaded."""
+    from .config import TASK_KINDS
+    from .models import teacher_rows
+
+    if not cfg.online_teacher:
+        raise ValueError("taught_counts needs a config with online_teacher: true")
+    if cfg.stage != "cepe":
+        raise ValueError(f"taught_counts counts the examples of a cepe stage, got stage {cfg.stage!r}")
+    make = example_maker(cfg)
+    kinds = None if cfg.teacher_tasks is None else [TASK_KINDS.index(k) for k in cfg.teacher_tasks]
+    out: dict[str, list[int]] = {}
+    for step in range(cfg.steps if steps is None else steps):
+        for micro in range(cfg.batch_size // cfg.micro_batch_size):
+            batch = micro_batch(cfg, make, step, micro)
+            n = batch["input_ids"].shape[0]
+            rows = teacher_rows(batch, kinds, cfg.teacher_max_context)
+            taught = torch.ones(n, dtype=torch.bool) if rows is None else rows
+            names = [TASK_KINDS[int(t)] for t in batch["task"]] if "task" in batch else ["lm"] * n
+            for name, t in zip(names, taught.tolist(), strict=True):
+                c = out.setdefault(name, [0, 0])
+                c[0] += 1
+                c[1] += int(t)
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
@@ -693,13 +749,8 @@ def _step(run: _Run, step: int) -> _StepResult:
     extra: dict[str, list[torch.Tensor]] = {}
     tokens = 0
     for micro in range(run.accum):
-        idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, run.rank, run.world)
-        layout = step_layout(cfg, step, micro)
-        batch = {k: v.to(acc.device) for k, v in collate([run.make(i, *layout) for i in idx]).items()}
-        batch.pop("index")
-        length = step_chunk_length(cfg, step, micro)
-        if length is not None:
-            batch = regroup_chunks(batch, length)
+        batch = micro_batch(cfg, run.make, step, micro, run.rank, run.world)
+        batch = {k: v.to(acc.device) for k, v in batch.items()}
         tokens += _tokens(batch)
         sync = acc.no_sync(module) if micro < run.accum - 1 else contextlib.nullcontext()
         with sync:
