@@ -3,7 +3,11 @@
 On CPUs with bf16 matrix units (AMX, AVX512-BF16) a bf16 matmul is several times faster than fp32; on
 CPUs without them (AVX2 only) PyTorch emulates bf16 and the same matmul can be a hundred times slower.
 Every ``"auto"`` dtype setting of ``cepe`` (the main job, training's ``bf16``, the benchmark's ``dtype``)
-asks :func:`bf16_is_fast`, which times a small matmul in both dtypes, in interleaved pairs, once per process.
+asks :func:`bf16_is_fast`. On x86 it reads the CPU's flags (AVX512-BF16, AMX), as PyTorch reports them;
+elsewhere it times a small matmul in both dtypes, in interleaved pairs, once per process. The flags come
+first because timing runs bf16 kernels before the model's: on an AMX CPU, after the timing, the first
+forward pass of an evaluation sometimes gave another value than every later one (the first cell of
+``lm_val``, 27.95-27.98 against 27.9656, in 3 of 10 fresh processes; never in 12 without the timing).
 
 The environment variable ``CEPE_BF16`` overrides the measurement: ``1`` forces bf16, ``0`` forces fp32.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import time
 
 import torch
@@ -38,12 +43,26 @@ def _bf16_wins(a: torch.Tensor, b: torch.Tensor, rounds: int = 7) -> bool:
     return 2 * wins > rounds
 
 
+def cpu_bf16_units() -> bool | None:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), from the flags PyTorch reads;
+    None where PyTorch does not say (not x86, or a PyTorch without these queries)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return None
+    flags = [
+        getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    if any(f is None for f in flags):
+        return None
+    return any(bool(f()) for f in flags)
+
+
 def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
     """True when bf16 matrix products are faster than fp32 on ``device``.
 
-    CUDA: the device reports native bf16 support. CPU: a ``512 x 512 @ 512 x 512`` product is timed in
-    both dtypes, in seven interleaved pairs, and bf16 must win most of them (20-40 ms on a 2-core CPU, once
-    per process). ``CEPE_BF16=1`` / ``0`` overrides both.
+    CUDA: the device reports native bf16 support. CPU: on x86 the CPU's bf16 units
+    (:func:`cpu_bf16_units`); elsewhere a ``512 x 512 @ 512 x 512`` product is timed in both dtypes, in
+    seven interleaved pairs, and bf16 must win most of them (20-40 ms on a 2-core CPU, once per process).
+    ``CEPE_BF16=1`` / ``0`` overrides all three.
     """
     env = os.environ.get("CEPE_BF16", "").strip().lower()
     if env in ("1", "true", "yes"):
@@ -57,6 +76,8 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
     if key not in _FAST:
         if dev.type == "cuda":
             _FAST[key] = bool(torch.cuda.is_bf16_supported())
+        elif dev.type == "cpu" and (units := cpu_bf16_units()) is not None:
+            _FAST[key] = units
         elif dev.type == "cpu":
             g = torch.Generator().manual_seed(0)
             a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)

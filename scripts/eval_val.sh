@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi  # else: cepe on the PATH
+. scripts/fast_alloc.sh 2> /dev/null  # jemalloc where there is one; each evaluation purges it after each item
 [ $# -eq 2 ] || { echo "usage: bash scripts/eval_val.sh ADAPTER_DIR OUT_DIR" >&2; exit 2; }
 ADAPTER=$1; OUT=$2
 [ -f "$ADAPTER/cepe_config.json" ] || { echo "no cepe adapter at $ADAPTER (no cepe_config.json)" >&2; exit 2; }

@@ -1,11 +1,11 @@
-# Source this (`. scripts/fast_alloc.sh`) before CPU training (`cepe train`): it preloads jemalloc, told to
-# keep the memory it frees for reuse, where the machine has it (Debian/Ubuntu: libjemalloc2, which
-# scripts/setup.sh installs where it can). Training returns the kept pages after each optimizer step
-# (cepe.alloc.purge); a process that never purges them grows without bound, so evaluations keep the system
-# malloc (scripts/heads_and_validate.sh drops the preload). glibc's malloc hands large tensors back to the kernel when they
-# are freed and faults fresh pages in for the next; jemalloc ran a training step 14-19 % faster, 34 % under
-# memory pressure (docs/TRAINING.md, "Where a CPU step's time went"). Numerics are unchanged: only where
-# tensors live changes.
+# Source this (`. scripts/fast_alloc.sh`) before CPU training (`cepe train`), `cepe fit-heads` or `cepe eval`:
+# it preloads jemalloc, told to keep the memory it frees for reuse, where the machine has it (Debian/Ubuntu:
+# libjemalloc2, which scripts/setup.sh installs where it can). Training returns the kept pages after each
+# optimizer step, the heads fit after each recorded step and evaluations after each item (cepe.alloc.purge);
+# a process that never purged them would grow without bound. glibc's malloc hands large tensors back to the
+# kernel when they are freed and faults fresh pages in for the next; jemalloc ran a training step 14-19 %
+# faster, 34 % under memory pressure, and the validation evaluations 15-32 % faster (docs/TRAINING.md,
+# "Where a CPU step's time went"). Numerics are unchanged: only where tensors live changes.
 # CEPE_MALLOC=system keeps glibc's malloc; CEPE_JEMALLOC=PATH names the library; an LD_PRELOAD already set
 # is left as it is. Says what it chose on stderr.
 if [ "${CEPE_MALLOC:-}" != system ] && [ -z "${LD_PRELOAD:-}" ]; then

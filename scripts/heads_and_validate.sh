@@ -31,9 +31,9 @@ if [ -f runs/recipe/heads.pid ] && kill -0 "$(cat runs/recipe/heads.pid)" 2>/dev
   echo "heads_and_validate is running already (pid $(cat runs/recipe/heads.pid), log runs/recipe/heads.log)" >&2
   exit 2
 fi
-# the heads fit and evaluations keep the system malloc: jemalloc that keeps freed memory (scripts/fast_alloc.sh)
-# grows without bound in a process that does not purge it, and only training purges it (after each step)
-case "${LD_PRELOAD:-}" in *jemalloc*) unset LD_PRELOAD MALLOC_CONF ;; esac
+# jemalloc where there is one (a preload the chain passes down stays): the heads fit purges its kept pages
+# after each recorded step and the evaluations after each item, as training does after each step
+. scripts/fast_alloc.sh 2>> runs/recipe/heads.log
 # the validation configs, in the order the decision reads them
 VAL="fixedppl_val_short fixedppl_val_short_kernel needle_val4 needle_val2 needle_val3 fixedppl_val lm_val qa_val copy_val"
 pipeline() {

@@ -3,6 +3,7 @@ the same stage directories) while one runs, and say which."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -343,7 +344,10 @@ case "$1" in
         cfg=$(basename "$out")
         if [ "$cfg" = "${FAIL_EVAL:-}" ]; then echo "error: $cfg cannot be computed" >&2; exit 1; fi
         mkdir -p "$out"
-        cp "$BASE/$cfg/"*.json "$out/" ;;
+        cp "$BASE/$cfg/"*.json "$out/"
+        if [ -n "${SKEW:-}" ] && [ -n "${LD_PRELOAD:-}" ]; then  # another value under a preload
+          sed -i 's/"value": \([0-9]\)/"value": 9\1/' "$out/"*.json
+        fi ;;
 esac
 """
 
@@ -537,15 +541,77 @@ def test_fast_alloc_preloads_the_named_jemalloc_and_nothing_else(tmp_path):
     assert out == "|" and said.startswith("allocator: the system malloc")
 
 
-def test_heads_and_validate_drops_a_jemalloc_preload_and_keeps_others(tmp_path):
-    """Heads fits and evaluations do not purge jemalloc's kept pages, so they run without a jemalloc
-    preload the chain passes down (scripts/fast_alloc.sh); another preload is the user's and stays."""
+def test_heads_and_validate_runs_under_jemalloc_where_there_is_one(tmp_path):
+    """The heads fit and evaluations purge jemalloc's kept pages (after each recorded step, each item), so
+    heads_and_validate.sh preloads it as training does (scripts/fast_alloc.sh): every cepe call runs under it;
+    a preload passed down (the chain's, or the user's) stays, and CEPE_MALLOC=system keeps glibc's malloc."""
     root, _, calls = _heads_tree(tmp_path)
-    for preload, kept in (("libjemalloc.so.2", False), ("libother.so", True)):
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")  # an empty stand-in: the loader says so on stderr and runs each call without it
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "CEPE_MALLOC")}
+    for env, want in (
+        ({"CEPE_JEMALLOC": str(lib)}, str(lib)),
+        ({"CEPE_JEMALLOC": str(lib), "LD_PRELOAD": "libother.so"}, "libother.so"),
+        ({"CEPE_JEMALLOC": str(lib), "CEPE_MALLOC": "system"}, None),
+    ):
         for p in root.glob("results/recipe/mix_fit14*"):
             shutil.rmtree(p)
         shutil.rmtree(root / "runs/recipe/mix_fit14-fit", ignore_errors=True)
-        _heads_mix_fit14(root, {**os.environ, "LD_PRELOAD": preload, "MALLOC_CONF": "x"})
+        Path(f"{calls}.preload").unlink(missing_ok=True)
+        _heads_mix_fit14(root, {**base, **env})
         seen = Path(f"{calls}.preload")
         lines = seen.read_text().splitlines() if seen.exists() else []
-        assert (len(lines) > 0) == kept and all(line.endswith(" libother.so") for line in lines)
+        called = len(calls.read_text().splitlines())
+        calls.unlink()
+        if want is None:
+            assert lines == []
+        else:
+            assert len(lines) == called > 0 and all(line.endswith(f" {want}") for line in lines)
+
+
+_FAKE_TIME = r"""#!/usr/bin/env bash
+# stands in for GNU time: -o FILE -f FORMAT CMD...; writes fixed figures, runs CMD
+out=$2; shift 4
+"$@"; rc=$?
+printf '12.5\t20.0\t1.5\t2097152\t1000\n' > "$out"
+exit $rc
+"""
+
+
+def test_eval_alloc_ab_runs_each_config_under_both_allocators_and_compares_their_values(tmp_path):
+    """eval_alloc_ab.sh alternates glibc and jemalloc (scripts/fast_alloc.sh through eval_val.sh) for each
+    pair and config, tables each process's figures, and says whether every value is the same."""
+    root, _, calls = _heads_tree(tmp_path)
+    shutil.copy(ROOT / "scripts/eval_alloc_ab.sh", root / "scripts/eval_alloc_ab.sh")
+    lib, timer = tmp_path / "libjemalloc.so.2", tmp_path / "fake_time"
+    lib.write_bytes(b"")
+    timer.write_text(_FAKE_TIME)
+    timer.chmod(0o755)
+    (root / "adapter").mkdir()
+    (root / "adapter/cepe_config.json").write_text("{}")
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "CEPE_MALLOC")}
+    for skew, same in (("", "yes"), ("1", "NO")):
+        proc = subprocess.run(
+            ["bash", "scripts/eval_alloc_ab.sh", "adapter", f"out{skew}", "2"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            env={
+                **base,
+                "CEPE_JEMALLOC": str(lib),
+                "GNU_TIME": str(timer),
+                "SKEW": skew,
+                "ONLY": "lm_val copy_val",
+            },
+        )
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads((root / f"out{skew}/times.json").read_text())
+        order = [(r["allocator"], r["pair"], r["config"]) for r in got["rows"]]
+        assert order == [
+            (a, p, c) for p in (1, 2) for a in ("system", "jemalloc") for c in ("lm_val", "copy_val")
+        ]
+        assert got["rows"][0]["wall_s"] == 12.5 and got["rows"][0]["peak_gib"] == 2.0
+        assert got["same_values"] == {"lm_val": same == "yes", "copy_val": same == "yes"}
+        assert f"copy_val {same}, lm_val {same}" in (root / f"out{skew}/times.md").read_text()
+    preloads = Path(f"{calls}.preload").read_text().splitlines()
+    assert len(preloads) == 8 and all(line == f"eval {lib}" for line in preloads)  # the jemalloc runs only

@@ -62,3 +62,29 @@ def test_measurement_is_a_majority_of_interleaved_rounds(monkeypatch):
     assert compute._bf16_wins(a, b) is False
     monkeypatch.setattr(compute, "_seconds", timer([0.5, 2.0, 0.5, 2.0, 0.5, 2.0, 2.0]))
     assert compute._bf16_wins(a, b) is False  # 3 of 7 is not a majority
+
+
+def test_x86_reads_the_cpu_flags_and_times_nothing(monkeypatch):
+    """On x86 the CPU's bf16 units decide, and no bf16 kernel runs before the model's (after the timing,
+    an AMX CPU's first forward pass sometimes gave another value); elsewhere the timing decides."""
+    monkeypatch.delenv("CEPE_BF16", raising=False)
+
+    def no_timing(*a):
+        raise AssertionError("timed on a CPU whose flags say it")
+
+    monkeypatch.setattr(compute, "_seconds", no_timing)
+    monkeypatch.setattr(compute.platform, "machine", lambda: "x86_64")
+    for avx512_bf16, amx, fast in ((True, True, True), (True, False, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(compute, "_FAST", {})
+        assert compute.cpu_bf16_units() is fast and compute.bf16_is_fast("cpu") is fast
+    timed = []
+    monkeypatch.setattr(compute, "_bf16_wins", lambda a, b: timed.append(a.shape) or True)
+    for machine, missing in (("aarch64", None), ("x86_64", "_is_amx_tile_supported")):
+        monkeypatch.setattr(compute.platform, "machine", lambda m=machine: m)
+        if missing:
+            monkeypatch.delattr(torch.cpu, missing)
+        monkeypatch.setattr(compute, "_FAST", {})
+        assert compute.cpu_bf16_units() is None and compute.bf16_is_fast("cpu") is True
+    assert timed == [(512, 512), (512, 512)]

@@ -403,3 +403,14 @@ def test_qa_validation_set_reads_only_its_split():
     }
     assert sources and sources <= {"w" + h[1:] for h in held}
     assert all(ex["ctxs"][ex["gold_rank"]].get("has_answer") for ex in data)
+
+
+def test_each_item_returns_the_allocators_kept_pages(setup, monkeypatch):
+    """On a CPU, run_examples purges jemalloc's kept pages after every item (cepe.alloc.purge; a no-op
+    under another malloc), so an evaluation under scripts/fast_alloc.sh keeps one item's footprint."""
+    import cepe.eval.common as common
+
+    purged = []
+    monkeypatch.setattr(common, "purge", lambda: purged.append(len(purged)) or True)
+    values, cost = common.run_examples(setup, "truncated", [3, 1, 2], lambda m, x: (float(x), x), "items")
+    assert values == [3.0, 1.0, 2.0] and cost["tokens"] == 6 and purged == [0, 1, 2]

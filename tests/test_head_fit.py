@@ -186,7 +186,10 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     cfg = HeadFitConfig(
         recipe=str(recipe), output_dir=str(out), held_out_every=3, compare=[str(reader)], progress=False
     )
+    purged = []  # jemalloc's kept pages are returned after each step recorded (cepe.alloc.purge)
+    monkeypatch.setattr(hf, "purge", lambda: purged.append(1) or True)
     got = run_head_fit(cfg)
+    assert len(purged) == 3
     assert sorted(p.name for p in (out / "stats").glob("*.pt")) == [f"step_{s:06d}.pt" for s in range(3)]
     assert got["examples"]["held_out"] == 4 and got["examples"]["fit"] == 8  # 12 examples, 0 3 6 9 held
     held = got["held_out"]
@@ -220,6 +223,7 @@ def test_fit_heads_job_writes_resumes_and_compares(tmp_path, monkeypatch):
     again = run_head_fit(
         HeadFitConfig(recipe=str(recipe), output_dir=str(out), held_out_every=3, progress=False)
     )
+    assert len(purged) == 3  # steps read back from their records allocate nothing to return
     assert again["held_out"]["fitted"]["nll"] == pytest.approx(held["fitted"]["nll"], abs=1e-9)
     shared = run_head_fit(  # another fit over the same records, in another folder
         HeadFitConfig(

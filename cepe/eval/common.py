@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from cepe.alloc import purge
 from cepe.eval.methods import METHODS, Method
 from cepe.eval.registry import build_method
 from cepe.measure import Meter
@@ -210,6 +211,8 @@ def run_examples(
             value, tokens = fn(m, item)
         meter.tokens += int(tokens)
         values.append(value)
+        if setup.device.type == "cpu":  # jemalloc's kept pages back to the kernel: an item's footprint
+            purge()
     return values, meter.summary()
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cepe.alloc import purge
+
 from .config import TASK_KINDS, TrainConfig
 from .fit_config import HeadFitConfig
 
@@ -369,6 +371,8 @@ def record(
                     got.append(s.cpu())
             with atomic_path(path) as tmp:
                 torch.save([s.__dict__ for s in got], tmp)
+            if dev.type == "cpu":  # jemalloc's kept pages back to the kernel, as training does each step
+                purge()
         parts += got
         if bar is not None:
             bar.update(1)
