@@ -6,8 +6,9 @@ Every ``"auto"`` dtype setting of ``cepe`` (the main job, training's ``bf16``, t
 asks :func:`bf16_is_fast`. On x86 it reads the CPU's flags (AVX512-BF16, AMX), as PyTorch reports them;
 elsewhere it times a small matmul in both dtypes, in interleaved pairs, once per process. The flags come
 first because timing runs bf16 kernels before the model's: on an AMX CPU, after the timing, the first
-forward pass of an evaluation sometimes gave another value than every later one (the first cell of
-``lm_val``, 27.95-27.98 against 27.9656, in 3 of 10 fresh processes; never in 12 without the timing).
+forward passes of an evaluation gave another value in some runs (the first cell of ``lm_val``, 27.9515 or
+27.9774 against 27.9656, in 6 of 19 fresh runs; in none of 16 without the timing; "Compute dtype" in
+docs/TRAINING.md).
 
 The environment variable ``CEPE_BF16`` overrides the measurement: ``1`` forces bf16, ``0`` forces fp32.
 """
