@@ -12,9 +12,9 @@ from test_train_online_teacher import assert_plain_kl_and_ce
 
 from cepe.chunking import chunk_ids
 from cepe.training.data import build_example, collate, window_source
-from cepe.training.losses import teacher_topk
+from cepe.training.losses import teacher_topk, topk_kl
 from cepe.training.models import StageModule, build_model, load_teacher
-from cepe.training.online_teacher import adapter_teacher_topk
+from cepe.training.online_teacher import adapter_teacher_topk, online_teacher_topk
 from cepe.training.trainer import read_log, train
 
 
@@ -150,6 +150,26 @@ def test_teacher_max_context_teaches_only_the_short_contexts(tmp_path):
     _, da = dec_all(batch)
     dec_all.release()
     assert abs(float(dc["kl"]) - float(da["kl"])) > 1e-4
+    # CEPED: the KL over the same rows (the untaught examples' zero rows are no teacher)
+    ceped = StageModule(model, _cfg(tmp_path, stage="ceped", context_drop=1.0, teacher_max_context=16))
+    _, got = ceped(batch)
+    ceped.release()
+    dprobs, didx = online_teacher_topk(
+        model.decoder,
+        *_teacher_args(batch),
+        batch.get("context_at"),
+        short,
+        model.decoder.config.max_position_embeddings,
+    )
+    with torch.no_grad():
+        logits = model(
+            batch["input_ids"],
+            encoder_input_ids=batch["encoder_input_ids"],
+            encoder_attention_mask=batch["encoder_attention_mask"],
+        ).logits[:, :-1]
+    sel = (batch["labels"][:, 1:] != -100) & short[:, None]
+    want = topk_kl(logits[sel], dprobs[sel], didx[sel], capped.kl_form)
+    torch.testing.assert_close(got["kl"], want, rtol=1e-4, atol=1e-5)
 
 
 def test_adapter_teacher_trains_and_resumes_exactly(tmp_path):
@@ -221,8 +241,9 @@ def test_adapter_teacher_config(tmp_path):
         _cfg(tmp_path, online_teacher=False, teacher_max_context=16)
     with pytest.raises(ValueError, match="it needs teacher_adapter"):
         _cfg(tmp_path, teacher_drop_mixture=True)
-    with pytest.raises(ValueError, match="positive token count"):
-        _cfg(tmp_path, teacher_max_context=0)
+    for bad, said in ((0, "positive token count"), (-5, "positive token count"), (1.5, "must be an integer")):
+        with pytest.raises(ValueError, match=said):
+            _cfg(tmp_path, teacher_max_context=bad)
     with pytest.raises(FileNotFoundError, match="point it at a cepe adapter"):
         StageModule(build_model(base), _cfg(tmp_path, teacher_adapter=str(tmp_path / "no")))
 
@@ -269,3 +290,29 @@ def test_taught_counts_are_the_rows_the_teacher_runs_for(tmp_path):
     assert whole["lm"] == (lm, lm)
     with pytest.raises(ValueError, match="online_teacher: true"):
         taught_counts(_cfg(tmp_path, online_teacher=False))
+
+
+def test_bf16_holds_the_teacher_decoders_linears_and_nothing_else(tmp_path):
+    """On the bf16 fast path the teacher adapter's frozen decoder linears are held in bf16, as the
+    student's are; its embeddings (a tied head's weight), encoder and cross-attention keep fp32, so it
+    computes what the adapter computes on its own under autocast."""
+    from cepe.training.trainer import _build_modules
+
+    cfg = _cfg(tmp_path)
+    model = build_model(cfg)
+    _, _, module = _build_modules(
+        _cfg(tmp_path, teacher_adapter=_saved(model, tmp_path / "t")), use_bf16=True
+    )
+    (teacher,) = module._teacher
+    dec = teacher.decoder
+    held = {n for n, p in teacher.named_parameters() if p.dtype == torch.bfloat16}
+    linears = {
+        f"decoder.{n}.weight"
+        for n, m in dec.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and ".cross_attn" not in f".{n}"
+        and m.weight is not dec.get_input_embeddings().weight
+    }
+    assert held == linears and len(linears) == 2 * 7  # q k v o gate up down per layer
+    assert dec.get_output_embeddings().weight is dec.get_input_embeddings().weight  # tied: kept in fp32
+    assert dec.get_input_embeddings().weight.dtype == torch.float32

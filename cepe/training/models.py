@@ -380,13 +380,16 @@ class StageModule(nn.Module):
         flat = logits.reshape(-1, v)
         ce = F.cross_entropy(flat.float(), batch["labels"][:, 1:].reshape(-1))
         probs, idx = batch["teacher_probs"], batch["teacher_indices"]  # (B, T-1, k)
+        scored = batch["labels"][:, 1:] != -100  # (B, T-1)
+        if "teacher_rows" in batch:  # teacher_max_context: only the examples the teacher ran for
+            scored = scored & batch["teacher_rows"][:, None]
         kl = topk_kl(
             flat,
             probs.reshape(-1, probs.shape[-1]),
             idx.reshape(-1, idx.shape[-1]),
             self.kl_form,
             self.kl_smoothing,
-            mask=batch["labels"][:, 1:].reshape(-1) != -100,
+            mask=scored.reshape(-1),
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
         return loss, {"ce": ce.detach(), "kl": kl.detach()}

@@ -500,8 +500,8 @@ def _build_modules(cfg: TrainConfig, use_bf16: bool) -> tuple[nn.Module, list[nn
     module = StageModule(model, cfg)
     module.bf16 = use_bf16  # decided once, not re-timed at every forward
     if use_bf16 and not cfg.reference_path:
-        for teacher in module._teacher:  # teacher_adapter: all of it frozen
-            hold_frozen_linears(teacher, torch.bfloat16)
+        for teacher in module._teacher:  # teacher_adapter: its decoder, as the student's (a tied head and
+            hold_frozen_linears(teacher.decoder, torch.bfloat16)  # the output mixture's heads keep fp32)
     return model, params, module
 
 
