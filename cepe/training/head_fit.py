@@ -266,19 +266,10 @@ def record_batch(model: nn.Module, batch: dict[str, torch.Tensor], use_bf16: boo
 def step_batches(cfg: TrainConfig, make: Any, step: int) -> Iterator[dict[str, torch.Tensor]]:
     """The collated micro-batches of optimizer step ``step`` of ``cfg``, as training reads them (examples
     from ``make``, :func:`cepe.training.trainer.example_maker`; chunks regrouped as the step reads them)."""
-    from .data import (
-        collate,
-        example_indices,
-        regroup_chunks,
-        step_chunk_length,
-        step_layout,
-    )
+    from .trainer import micro_batch
 
     for micro in range(cfg.batch_size // cfg.micro_batch_size):
-        idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, 0, 1)
-        batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
-        length = step_chunk_length(cfg, step, micro)
-        yield batch if length is None else regroup_chunks(batch, length)
+        yield micro_batch(cfg, make, step, micro, keep_index=True)
 
 
 def copy_target_probs(

@@ -616,12 +616,15 @@ def micro_batch(
     micro: int,
     rank: int = 0,
     world: int = 1,
+    keep_index: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Micro-batch ``micro`` of optimizer step ``step`` on process ``rank`` of ``world``, as training runs it:
-    its examples at the micro-batch's drawn layout, collated, regrouped to its drawn chunk length (CPU)."""
+    its examples at the micro-batch's drawn layout, collated, regrouped to its drawn chunk length (CPU).
+    ``keep_index``: keep each example's index (``batch["index"]``; training drops it)."""
     idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, rank, world)
     batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
-    batch.pop("index")
+    if not keep_index:
+        batch.pop("index")
     length = step_chunk_length(cfg, step, micro)
     return regroup_chunks(batch, length) if length is not None else batch
 
