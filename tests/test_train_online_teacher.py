@@ -218,9 +218,10 @@ def test_teacher_tasks_distil_only_the_named_kinds(tmp_path):
     assert abs(float(all_taught["kl"]) - float(kl)) > 1e-4
 
 
-def assert_plain_kl_and_ce(model, batch, probs, idx, taught, kl_form, metrics):
-    """The stage module's logged KL and CE are the plain ones by hand: the KL over the scored rows of the
-    ``taught`` examples ``(B,)``, the CE over every scored row. Returns the KL."""
+def assert_plain_kl_and_ce(model, batch, probs, idx, taught, kl_form, metrics, ce_key="lm"):
+    """The stage module's logged KL and CE (``metrics[ce_key]``: ``ce`` for CEPED) are the plain ones by
+    hand: the KL over the scored rows of the ``taught`` examples ``(B,)``, the CE over every scored row.
+    Returns the KL."""
     with torch.no_grad():
         logits = model(
             batch["input_ids"],
@@ -232,7 +233,7 @@ def assert_plain_kl_and_ce(model, batch, probs, idx, taught, kl_form, metrics):
     kl = topk_kl(logits[sel], probs[sel], idx[sel], kl_form)
     ce = torch.nn.functional.cross_entropy(logits[keep].float(), batch["labels"][:, 1:][keep])
     torch.testing.assert_close(metrics["kl"], kl, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(metrics["lm"], ce, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metrics[ce_key], ce, rtol=1e-4, atol=1e-5)
     return kl
 
 
