@@ -4,6 +4,7 @@ short contexts (``teacher_max_context``)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -69,9 +70,21 @@ def test_adapter_teacher_reads_the_kept_context_in_its_own_chunks(tmp_path):
     mask[0, 1, 3:] = False  # a suffix of a chunk removed
     mask[1, :2] = False  # only the last chunk kept
     labels = ids.clone()
+    labels[0, :3] = -100
     labels[1, :7] = -100
     select = torch.tensor([True, True, False])
+    kept = []  # the positions the teacher's head ran on: those scored in some selected row (rows 2-10)
+    run = teacher.forward
+
+    def counted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        kept.append(out.logits.shape[1])
+        return out
+
+    teacher.forward = counted
     probs, idx = adapter_teacher_topk(teacher, ids, labels, enc, mask, 16, select=select)
+    del teacher.forward
+    assert kept[0] == 9
     assert probs.shape == idx.shape == (3, 11, 16)
     assert not probs[2].any() and not idx[2].any()
     for i in range(2):
@@ -238,6 +251,33 @@ def test_adapter_teacher_config(tmp_path):
             _cfg(tmp_path, teacher_max_context=bad)
     with pytest.raises(FileNotFoundError, match="point it at a cepe adapter"):
         StageModule(build_model(base), _cfg(tmp_path, teacher_adapter=str(tmp_path / "no")))
+
+
+def test_teacher_trained_over_another_decoder_is_refused(tmp_path):
+    """A teacher adapter runs over the stage's decoder: one trained over a decoder of another vocabulary or
+    another width is refused with what to do; one that records another name for a decoder of the same
+    shapes loads with a warning that names both."""
+    base = _cfg(tmp_path)
+    tiny = dict(base.tiny_decoder)
+
+    def teacher_over(name: str, **decoder):
+        other = _cfg(tmp_path, tiny_decoder={**tiny, **decoder})
+        return _saved(build_model(other), tmp_path / name)
+
+    with pytest.raises(ValueError, match="256-token vocabulary, but this stage's decoder \\(tiny\\) has 128"):
+        load_teacher(_cfg(tmp_path, teacher_adapter=teacher_over("vocab", vocab_size=256)))
+    for name, decoder in (("wide", {"hidden_size": 128}), ("deep", {"num_hidden_layers": 3})):
+        with pytest.raises(
+            ValueError, match="does not fit this stage's decoder \\(tiny\\), so it was trained"
+        ):
+            load_teacher(_cfg(tmp_path, teacher_adapter=teacher_over(name, **decoder)))
+    same = build_model(base)
+    same.cepe_config.decoder_name_or_path = "another-decoder"
+    with pytest.warns(UserWarning, match="records its decoder as 'another-decoder'.*decoder 'tiny'"):
+        load_teacher(_cfg(tmp_path, teacher_adapter=_saved(same, tmp_path / "named")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_teacher(_cfg(tmp_path, teacher_adapter=_saved(build_model(base), tmp_path / "own")))
 
 
 def test_cost_model_counts_the_adapter_teacher(tmp_path):

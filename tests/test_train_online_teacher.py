@@ -3,6 +3,8 @@ training, and the loss is CE + KL to it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -17,7 +19,7 @@ from cepe.training.trainer import read_log, train
 
 
 def _cfg(tmp_path, **over):
-    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d = yaml.safe_load(Path("configs/train/tiny/cepe.yaml").read_text())
     d.pop("init_adapter")
     d.update(
         output_dir=str(tmp_path / "run"),

@@ -22,7 +22,7 @@ from cepe.dtypes import torch_dtype
 from cepe.encoder import EncoderForMaskedLM
 from cepe.fileio import atomic_path, write_json
 from cepe.mixture import CopySpans
-from cepe.modeling import CepeForCausalLM, packed_positions
+from cepe.modeling import ADAPTER_CONFIG, CepeForCausalLM, packed_positions
 
 from .config import TrainConfig
 from .losses import topk_kl
@@ -254,6 +254,42 @@ def teacher_rows(
     return rows
 
 
+def stage_decoder_name(cfg: TrainConfig) -> str:
+    """The name a stage records as its adapters' decoder (``"tiny"`` for a tiny random decoder)."""
+    return "tiny" if cfg.tiny_decoder is not None else str(cfg.decoder)
+
+
+def check_teacher_decoder(teacher_cfg: CepeConfig, cfg: TrainConfig, path: Path) -> None:
+    """Check that the teacher adapter at ``path`` (config ``teacher_cfg``) was trained over the stage's
+    decoder, which it will run over.
+
+    Raises:
+        ValueError: its recorded decoder has another vocabulary size.
+
+    Warns when it records another decoder name (after resolving ``"default"``) of the same vocabulary size:
+    a local copy of the same model is fine, another model of the same tokenizer is a wrong teacher.
+    """
+    from cepe.assets import resolve_decoder
+
+    own = stage_decoder_name(cfg)
+    theirs = teacher_cfg.decoder_name_or_path
+    vocab = decoder_vocab_size(cfg)
+    if teacher_cfg.decoder_vocab_size is not None and int(teacher_cfg.decoder_vocab_size) != vocab:
+        raise ValueError(
+            f"teacher_adapter {path} was trained over {theirs or 'another decoder'} with a "
+            f"{teacher_cfg.decoder_vocab_size}-token vocabulary, but this stage's decoder ({own}) has {vocab}: "
+            f"point teacher_adapter at an adapter trained over {own}"
+        )
+    if theirs is not None and resolve_decoder(theirs) != resolve_decoder(own):
+        import warnings
+
+        warnings.warn(
+            f"teacher_adapter {path} records its decoder as {theirs!r}; it will run over this stage's "
+            f"decoder {own!r}. That is right only if both name the same model.",
+            stacklevel=2,
+        )
+
+
 def load_teacher(cfg: TrainConfig) -> CepeForCausalLM:
     """The adapter of ``cfg.teacher_adapter`` over its own frozen copy of the stage's decoder (eval mode, no
     gradients; without its output mixture with ``cfg.teacher_drop_mixture``)."""
@@ -263,7 +299,15 @@ def load_teacher(cfg: TrainConfig) -> CepeForCausalLM:
             f"teacher_adapter {path} is not a directory: point it at a cepe adapter (a stage's "
             "checkpoints/step_N/adapter, or an exported adapter such as adapters/smollm2-135m-cepe)"
         )
-    teacher = CepeForCausalLM.from_pretrained(path, decoder=build_decoder(cfg))
+    check_teacher_decoder(CepeConfig.load(path / ADAPTER_CONFIG), cfg, path)
+    try:
+        teacher = CepeForCausalLM.from_pretrained(path, decoder=build_decoder(cfg))
+    except (RuntimeError, ValueError) as err:  # another decoder's width or depth: its weights do not fit
+        raise ValueError(
+            f"teacher_adapter {path} does not fit this stage's decoder ({stage_decoder_name(cfg)}), so it was "
+            f"trained over another decoder; point teacher_adapter at an adapter trained over "
+            f"{stage_decoder_name(cfg)}. Loading it said: {err}"
+        ) from err
     if cfg.teacher_drop_mixture:
         teacher.disable_output_mix()
     teacher.eval()

@@ -111,13 +111,15 @@ def adapter_teacher_topk(
     chunks = [chunk_ids(encoder_input_ids[i][encoder_attention_mask[i].bool()].cpu(), length) for i in which]
     enc, mask = collate_chunks(chunks)  # (b', K', L'): its own chunking of the same tokens
     device = next(teacher.parameters()).device
+    keep = scored[which]  # (b', n-1)
+    cols = keep.any(0).nonzero().squeeze(-1)  # (C,) positions scored in any of these rows
     out = teacher(
         input_ids=input_ids[which].to(device),
         encoder_input_ids=enc.to(device),
         encoder_attention_mask=mask.to(device),
+        logits_to_keep=cols.to(device),  # (b', C, V): the head only where some row is scored
     )
-    keep = scored[which]  # (b', n-1)
-    p, j = teacher_topk(out.logits[:, :-1][keep.to(device)], k)  # (N, k)
+    p, j = teacher_topk(out.logits[keep[:, cols].to(device)], k)  # (N, k)
     sub_p = torch.zeros((len(which), n - 1, k), dtype=torch.float16, device=input_ids.device)
     sub_j = torch.zeros((len(which), n - 1, k), dtype=torch.long, device=input_ids.device)
     sub_p[keep] = p.to(sub_p.device)

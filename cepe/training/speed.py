@@ -467,8 +467,10 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
 COST_MODEL = (
     "matmul FLOPs only (2 per multiply-add): forward = frozen decoder layers + head on every decoder "
     "token, cross-attention with keys projected, encoder chunks; backward = 2x forward for the trainable "
-    "encoder and cross-attention (frozen ones: input gradients only), 1x forward (attention 2x) for frozen decoder layers above the lowest "
-    "cross-attention layer, its MLP and the head; no backward below it; an online CEPED teacher adds "
-    "the decoder's forward over context + decoder tokens (up to its positions; times the share of examples "
-    "it runs for); the output mixture adds the decoder's forward without the context and its mixing head"
+    "encoder and cross-attention (frozen ones: input gradients only), 1x forward (attention 2x) for "
+    "frozen decoder layers above the lowest cross-attention layer, its MLP and the head; no backward "
+    "below it; an online CEPED teacher adds the decoder's forward over context + decoder tokens (up to "
+    "its positions; times the share of examples it runs for; with teacher_max_context an upper bound, "
+    "each taught example at most that long); the output mixture adds the decoder's forward without the "
+    "context and its mixing head"
 )
