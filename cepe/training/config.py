@@ -290,7 +290,9 @@ class TrainConfig:
             decoder) reading the example's context through its own encoder, the context's kept tokens
             re-chunked to its ``chunk_length``, instead of the decoder reading the context in its window:
             an earlier adapter teaches what it does better (e.g. continuation from a short context)
-            while the student keeps what it learned. Costs one forward of that adapter per taught example.
+            while the student keeps what it learned. Costs one forward of that adapter per taught example
+            (its head only at the scored positions). It must have been trained over the stage's decoder:
+            one of another vocabulary or shape is refused, one that records another decoder name warns.
         teacher_drop_mixture: with ``teacher_adapter``: teach with its reader alone, without its output
             mixture and copy (as ``cepe export --drop-mixture``), so that a student without the mixture
             is taught the distribution it can represent.
