@@ -48,6 +48,8 @@ ID_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".tex", ".html", ".json", ".csv", ".yaml", ".yml", ".toml"}
 
 # CepeConfig fields that do not change Φ or the model's function (runtime choices): not fingerprinted.
+_PROCESS_TOKEN = os.urandom(4).hex()  # tells this process's staging files from an earlier one's of its pid
+
 _RUNTIME_FIELDS = {
     "attn_implementation",
     "cross_attention_cache",
@@ -96,20 +98,29 @@ def _sha256_tensor(h: Any, name: str, t: torch.Tensor | np.ndarray) -> None:
 
 def adapter_fingerprint(model) -> str:
     """SHA-256 (first 16 hex digits) of a CEPE model's added weights and of the config fields that define
-    its function (runtime choices such as the cache mode are left out)."""
-    cached = getattr(model, "_cepe_store_fingerprint", None)
-    if cached is not None:
-        return cached
-    h = hashlib.sha256()
+    its function (runtime choices such as the cache mode are left out).
+
+    Kept on the model until its added weights change: any in-place write to them (a training step,
+    ``load_adapter_state_dict``) bumps their version counters, a replaced or added tensor changes their
+    storage or names, and either makes the next call hash again."""
     cfg = {k: v for k, v in model.cepe_config.to_dict().items() if k not in _RUNTIME_FIELDS}
-    h.update(json.dumps(cfg, sort_keys=True).encode())
+    text = json.dumps(cfg, sort_keys=True)
     state = model.adapter_state_dict()
+    key = (
+        text,
+        tuple((n, t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for n, t in sorted(state.items())),
+    )
+    cached = getattr(model, "_cepe_store_fingerprint", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    h = hashlib.sha256()
+    h.update(text.encode())
     for name in sorted(state):
         t = state[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         _sha256_tensor(h, name, t)
     fp = h.hexdigest()[:16]
-    model._cepe_store_fingerprint = fp
+    model._cepe_store_fingerprint = (key, fp)
     return fp
 
 
@@ -362,14 +373,14 @@ class ContextStore:
             raise StoreError(
                 "this operation needs the CEPE model and its tokenizer: pass model= and tokenizer="
             )
-        if getattr(self, "_model_info_cache", None) is None:
-            self._model_info_cache = {
-                "adapter": adapter_fingerprint(self.model),
-                "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                "chunk_length": int(self.model.cepe_config.chunk_length),
-                "d_enc": int(self.model.cepe_config.encoder.state_size),
-            }
-        return self._model_info_cache
+        if getattr(self, "_tokenizer_fp", None) is None:
+            self._tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
+        return {  # the adapter's fingerprint again each time: its weights may have changed (kept until then)
+            "adapter": adapter_fingerprint(self.model),
+            "tokenizer": self._tokenizer_fp,
+            "chunk_length": int(self.model.cepe_config.chunk_length),
+            "d_enc": int(self.model.cepe_config.encoder.state_size),
+        }
 
     def check_compatible(self, info: dict[str, Any] | None = None, what: str | None = None) -> None:
         """Refuse a store (or one stored file's metadata ``info``) written for another model.
@@ -402,14 +413,25 @@ class ContextStore:
         readable by the owner only."""
         return {
             "tmp_dir": self.tmp_dir,
-            "prefix": f".tmp-{os.getpid()}-",
+            "prefix": f".tmp-{os.getpid()}-{_PROCESS_TOKEN}-",
             "suffix": "",
             "fsync": True,
             "mode": 0o600,
         }
 
+    def _refresh_info(self) -> dict[str, Any] | None:
+        """The store's description; read again while this object has none, since another process (``cepe
+        context add`` next to a running server) may have created the store after it was opened."""
+        if self.info is None:
+            info = self._read_info()
+            if info is not None:
+                if self.model is not None:
+                    self.check_compatible(info)
+                self.info, self.dtype = info, info["dtype"]
+        return self.info
+
     def _ensure_created(self) -> None:
-        if self.info is not None:
+        if self._refresh_info() is not None:
             return
         info = {"format": STORE_FORMAT, "version": STORE_VERSION, "dtype": self.dtype, **self._model_info()}
         self.path.mkdir(parents=True, exist_ok=True)
@@ -423,13 +445,14 @@ class ContextStore:
         if not self.tmp_dir.is_dir():
             return
         for f in self.tmp_dir.iterdir():
-            m = re.match(r"^\.tmp-(\d+)-", f.name)
+            m = re.match(r"^\.tmp-(\d+)-(?:([0-9a-f]{8})-)?", f.name)
             pid = int(m.group(1)) if m else None
-            if pid is not None and pid != os.getpid() and pid_alive(pid):
-                continue
             if pid == os.getpid():
+                if m.group(2) == _PROCESS_TOKEN:  # this process's own write, maybe still under way
+                    continue
+            elif pid is not None and pid_alive(pid):
                 continue
-            f.unlink(missing_ok=True)
+            f.unlink(missing_ok=True)  # its writer is gone (an earlier process with this id: a restart)
 
     def _file(self, cid: str) -> Path:
         return self.contexts_dir / f"{check_id(cid)}.safetensors"
@@ -695,7 +718,7 @@ class ContextStore:
         docs = [self.load(cid) for cid in ids]
         t_load = time.perf_counter() - t0
         total = sum(int(d.meta["n_tokens"]) for d in docs)
-        length = int(self.info["chunk_length"])
+        length = int(self._model_info()["chunk_length"])  # each loaded document's, as load checked
         all_chunks = [(d, k) for d in docs for k in range(d.n_chunks)]
         retrieved = False
         kind = None

@@ -138,6 +138,34 @@ def test_store_written_by_another_model_is_refused(tiny, tmp_path):
         ContextStore(tmp_path / "s", model, OtherTokenizer())
 
 
+def test_weights_changed_after_first_use_are_another_adapter(tiny, tmp_path):
+    """The adapter's fingerprint is kept on the model only while its weights stay as they were: after an
+    in-place change (a training step, loading other weights) the store written before refuses it."""
+    model, tok = tiny
+    ContextStore(tmp_path / "s", model, tok).add_text(TEXT)
+    with torch.no_grad():
+        for p in model.encoder.parameters():
+            p.add_(1.0)
+    with pytest.raises(StoreError, match="another adapter"):
+        ContextStore(tmp_path / "s", model, tok)
+
+
+def test_store_created_by_another_process_after_opening(tiny, tmp_path):
+    """A server opened on an empty path reads the store that ``cepe context add`` (here another object)
+    created afterwards, and adds to it without rewriting its description."""
+    model, tok = tiny
+    serving = ContextStore(tmp_path / "s", model, tok, dtype="bf16")
+    adding = ContextStore(tmp_path / "s", model, tok, dtype="fp32")
+    cid, _ = adding.add_text(TEXT)
+    described = (tmp_path / "s" / "store.json").read_bytes()
+    ctx = serving.context([cid])
+    assert ctx.context_tokens == int(adding.load(cid).meta["n_tokens"])
+    assert ctx.states.dtype == model.dtype
+    other, _ = serving.add_text("Another document, added by the server.")
+    assert (tmp_path / "s" / "store.json").read_bytes() == described
+    assert serving.dtype == "fp32" and serving.load(other).states.dtype == torch.float32
+
+
 def test_foreign_file_copied_into_a_store_is_refused(tiny, tmp_path):
     model, tok = tiny
     other, _ = tiny_model(chunk_length=16, seed=5)
@@ -213,8 +241,14 @@ def test_leftover_of_a_killed_writer_is_removed(tiny, tmp_path):
     left.write_bytes(b"half a file")
     live = store.tmp_dir / f".tmp-{os.getppid()}-abc.safetensors"  # a running writer's file stays
     live.write_bytes(b"in progress")
+    # an earlier process that had this process's id (a restarted container): its file goes, ours stays
+    earlier = store.tmp_dir / f".tmp-{os.getpid()}-0000abcd-abc.safetensors"
+    earlier.write_bytes(b"half a file")
+    ours = store.tmp_dir / f"{store._staging()['prefix']}abc.safetensors"
+    ours.write_bytes(b"in progress")
     ContextStore(tmp_path / "s")
     assert not left.exists() and live.exists()
+    assert not earlier.exists() and ours.exists()
 
 
 def test_over_budget_selects_chunks_by_retrieval(tiny, tmp_path):
