@@ -67,6 +67,12 @@ def generate_from_context(
     Returns:
         The generated text (greedy decoding).
     """
+    if decoder_tokens is not None and decoder_tokens < 0:
+        raise ValueError(
+            f"decoder_tokens must be 0 or more (context tokens kept in the decoder), got {decoder_tokens}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     ctx_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
     dec_ctx: list[int] = []
     if decoder_tokens:
@@ -80,6 +86,8 @@ def generate_from_context(
             prompt_ids = prompt_ids["input_ids"]
     else:
         prompt_ids = dec_ctx + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not len(prompt_ids):
+        raise ValueError("the prompt is empty (no tokens): give a question or an instruction")
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     enc_kwargs = {}
     if ctx_ids:

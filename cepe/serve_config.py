@@ -38,6 +38,25 @@ class ServeLimits:
     request_timeout_s: float = 300.0
     shutdown_grace_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        least = {  # each limit's smallest value that still serves a request
+            "max_queue": 1,
+            "max_prompt_tokens": 1,
+            "max_new_tokens": 1,
+            "default_new_tokens": 1,
+            "max_upload_bytes": 1,
+            "max_context_tokens": 1,
+        }
+        for name, low in least.items():
+            value = getattr(self, name)
+            if value < low:
+                flag = SERVE_LIMIT_FLAGS[f"limits.{name}"][0]
+                raise ValueError(f"{flag} must be at least {low}, got {value}: with it no request is served")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"--timeout must be more than 0 seconds, got {self.request_timeout_s}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace must be 0 seconds or more, got {self.shutdown_grace_s}")
+
 
 SERVE_LIMIT_FLAGS = {
     "limits.max_queue": ["--max-queue"],

@@ -336,6 +336,8 @@ class CepeService:
                 gen = {"do_sample": True, "temperature": spec["temperature"], "top_p": spec["top_p"]}
                 if spec["seed"] is not None:
                     torch.manual_seed(spec["seed"])
+                else:  # not the sequence an earlier request's seed set: unseeded samples stay unpredictable
+                    torch.seed()
             streamer = _TokenStream(job)
             eos = getattr(self.tokenizer, "eos_token_id", None)
             self.model.generate(
@@ -388,7 +390,7 @@ def create_app(service: CepeService, api_key: str | None = None):
         stream_options: StreamOptions | None = None
         temperature: float | None = Field(None, ge=0.0, le=2.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
-        seed: int | None = None
+        seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch's seed range
         n: int = Field(1, ge=1, le=1)
         stop: None = None
         contexts: list[str] = Field(default_factory=list, max_length=64)
@@ -438,14 +440,14 @@ def create_app(service: CepeService, api_key: str | None = None):
     _add_context_routes(app, service, guarded)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, request: Request):
         spec = _completion_spec(service, req, [m.model_dump() for m in req.messages], None)
-        return await _complete(service, req, spec, chat=True)
+        return await _complete(service, req, spec, chat=True, request=request)
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         spec = _completion_spec(service, req, None, req.prompt)
-        return await _complete(service, req, spec, chat=False)
+        return await _complete(service, req, spec, chat=False, request=request)
 
     return app
 
@@ -537,7 +539,7 @@ def _add_context_routes(app, service: CepeService, guarded: list[Any]) -> None:
         job = Job(loop, run, time.monotonic() + limits.request_timeout_s)
         service.worker.submit(job)
         cid, added = await job.done
-        view = _context_view(service.store.show(cid))
+        view = _context_view(_store_call(service.store.show, cid))  # a DELETE may have come in between
         return JSONResponse({**view, "added": added}, status_code=201 if added else 200)
 
 
@@ -561,7 +563,14 @@ def _completion_spec(
                 404, f"unknown context id {cid}; list them with GET /v1/contexts", "not_found_error"
             )
     if messages is not None:
-        ids = prompt_ids(service.tokenizer, messages)
+        try:
+            ids = prompt_ids(service.tokenizer, messages)
+        except Exception as err:  # the chat template refused the conversation (raise_exception)
+            if type(err).__module__.split(".")[0] != "jinja2":
+                raise
+            raise ServiceError(
+                400, f"the model's chat template does not accept these messages: {err}"
+            ) from err
         users = [m["content"] for m in messages if m["role"] == "user"]
         query = users[-1] if users else messages[-1]["content"]
     else:
@@ -639,26 +648,43 @@ class _Reply:
 
     def usage_chunk(self, completion_tokens: int) -> str:
         obj = {
-            **self.envelope("chat.completion.chunk", []),
+            **self.envelope("chat.completion.chunk" if self.chat else "text_completion", []),
             "usage": _usage(self.n_prompt, completion_tokens),
         }
         return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _complete(service: CepeService, req: Any, spec: dict[str, Any], chat: bool):
+DISCONNECT_POLL_S = 0.25
+"""How often a request that waits for the model (queued, or a whole answer) checks that its client is there."""
+
+
+async def _until(fut: asyncio.Future, job: Job, request: Any) -> Any:
+    """``await fut``, while checking every :data:`DISCONNECT_POLL_S` that the client of ``request`` is still
+    connected: the server does not cancel a handler whose client left, so a client that leaves stops its
+    job here (queued: it never runs; running: it stops at its next token)."""
+    while True:
+        try:
+            done, _ = await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
+        except asyncio.CancelledError:
+            job.cancel("client gone")
+            raise
+        if done:
+            return fut.result()
+        if request is not None and await request.is_disconnected():
+            job.cancel("client gone")
+            raise ServiceError(499, "the client closed the connection", "client_closed")
+
+
+async def _complete(service: CepeService, req: Any, spec: dict[str, Any], chat: bool, request: Any = None):
     """Run ``spec`` on the model thread; the whole answer, or (``req.stream``) a stream of its tokens."""
     from fastapi.responses import StreamingResponse
 
     job = service.make_job(asyncio.get_running_loop(), spec)
     service.worker.submit(job)
-    try:
-        await job.ready  # contexts loaded: errors before this point are plain HTTP errors
-    except asyncio.CancelledError:
-        job.cancel("client gone")
-        raise
+    await _until(job.ready, job, request)  # contexts loaded: errors before this point are plain HTTP errors
     reply = _Reply(service, chat, len(spec["prompt_ids"]))
     if not req.stream:
-        return await _whole_answer(service, job, reply)
+        return await _whole_answer(service, job, reply, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(
         _events(service, job, reply, include_usage),
@@ -667,13 +693,9 @@ async def _complete(service: CepeService, req: Any, spec: dict[str, Any], chat: 
     )
 
 
-async def _whole_answer(service: CepeService, job: Job, reply: _Reply) -> dict[str, Any]:
+async def _whole_answer(service: CepeService, job: Job, reply: _Reply, request: Any = None) -> dict[str, Any]:
     delta = TextDelta(service.tokenizer)
-    try:
-        info = await job.done
-    except asyncio.CancelledError:
-        job.cancel("client gone")
-        raise
+    info = await _until(job.done, job, request)
     text = ""
     while not job.events.empty():
         kind, payload = job.events.get_nowait()

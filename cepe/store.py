@@ -605,10 +605,10 @@ class ContextStore:
         Raises:
             ContextNotFound: unknown id.
         """
-        f = self._file(cid)
-        if not f.exists():
-            raise ContextNotFound(f"no context {cid} in {self.path}")
-        f.unlink()
+        try:  # no exists() first: another remove may run between the two (the server's threads)
+            self._file(cid).unlink()
+        except FileNotFoundError:
+            raise ContextNotFound(f"no context {cid} in {self.path}") from None
         self._verified.pop(cid, None)
         self._retrievers.clear()
 
@@ -755,14 +755,16 @@ class ContextStore:
 
     def _retriever(self, ids: list[str], docs: list[StoredDocument], kind: str, model_dir: str | None):
         key = (tuple(ids), kind, model_dir)
-        if key not in self._retrievers:
+        index = self._retrievers.get(key)
+        if index is None:
             from .eval.retrieval import build_retriever
 
             texts = [t for d in docs for t in self.chunk_texts(d)]
-            if len(self._retrievers) >= 8:
-                self._retrievers.pop(next(iter(self._retrievers)))
-            self._retrievers[key] = build_retriever(kind, texts, model_dir=model_dir)
-        return self._retrievers[key]
+            index = build_retriever(kind, texts, model_dir=model_dir)
+            if len(self._retrievers) >= 8:  # the oldest out (a remove() may have emptied it meanwhile)
+                self._retrievers.pop(next(iter(self._retrievers), None), None)
+            self._retrievers[key] = index
+        return index
 
 
 # ---------------------------------------------------------------------------------------- asking
@@ -797,8 +799,11 @@ def ask(
     Returns:
         ``{"answer": text, "context": StoredContext.describe(), "prompt_tokens", "completion_tokens"}``.
     """
+    ids_q = prompt_ids(tokenizer, [{"role": "user", "content": question}], chat)
+    if not ids_q:
+        raise StoreError("the question is empty (no tokens): give a question")
     ctx = store.context(ids, query=question, budget_tokens=budget_tokens, retriever=retriever)
-    input_ids = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": question}], chat)])
+    input_ids = torch.tensor([ids_q])
     out = model.generate(
         input_ids.to(model.device),
         attention_mask=torch.ones_like(input_ids).to(model.device),

@@ -305,6 +305,21 @@ def test_store_and_serve_flags_kept(tmp_path):
         config_from_args(ServeConfig, _args(["serve", "--config", str(conf)]), "serve config")
 
 
+def test_serve_limits_that_serve_nothing_are_refused():
+    """A limit with which no request could be served is refused naming its flag (before, --max-queue 0
+    answered every request 429 and --timeout 0 every one 503)."""
+    for flag, value, said in (
+        ("--max-queue", "0", "--max-queue must be at least 1, got 0"),
+        ("--max-new-tokens", "0", "--max-new-tokens must be at least 1"),
+        ("--max-prompt-tokens", "-3", "--max-prompt-tokens must be at least 1"),
+        ("--timeout", "0", "--timeout must be more than 0 seconds"),
+        ("--shutdown-grace", "-1", "--shutdown-grace must be 0 seconds or more"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            config_from_args(ServeConfig, _args(["serve", "--store", "s", flag, value]))
+    assert ServeLimits(shutdown_grace_s=0.0).shutdown_grace_s == 0.0
+
+
 def test_eval_autocast_auto_follows_the_machine(monkeypatch):
     """--autocast auto: bf16 where it is the fast path (CEPE_BF16 decides here), none where it is emulated;
     named dtypes pass through and unknown ones are refused with the choices."""

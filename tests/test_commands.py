@@ -32,6 +32,21 @@ def adapter(tmp_path, monkeypatch):
     return tmp_path / "adapter", dec_dir, model
 
 
+def test_generate_refuses_what_it_cannot_answer(adapter):
+    """A negative ``decoder_tokens`` (before: silently the first tokens to the encoder, the rest to the
+    decoder), no new tokens, or an empty prompt get a clear error."""
+    from cepe.generation import generate_from_context
+
+    _, _, model = adapter
+    tok = ByteTokenizer()
+    with pytest.raises(ValueError, match="decoder_tokens must be 0 or more.*got -5"):
+        generate_from_context(model, tok, "some context " * 4, "Why?", decoder_tokens=-5)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        generate_from_context(model, tok, "some context", "Why?", max_new_tokens=0)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate_from_context(model, tok, "some context", "", chat=False)
+
+
 def test_cepe_generate_answers_from_the_context_file(adapter, tmp_path, capsys):
     path, _, model = adapter
     context = "The key is hidden under the blue stone near the old well. " * 3

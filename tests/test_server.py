@@ -236,6 +236,12 @@ def test_openai_client_unchanged(server):
         )
     )
     assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+    texts = list(
+        client.completions.create(
+            model="tiny", prompt="Paris is", max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert texts[-1].usage.completion_tokens == 3 and texts[-1].object == "text_completion"
     sampled = [
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=1.0, seed=s
@@ -284,6 +290,7 @@ def test_openai_client_unchanged(server):
             "more than this server's limit",
         ),
         ("POST", "/v1/completions", {"prompt": 5}, None, 400, "prompt"),
+        ("POST", "/v1/chat/completions", chat(temperature=1.0, seed=2**64), None, 400, "seed"),
         ("POST", "/v1/contexts", b"\xff\xfeabc", {"Content-Type": "text/plain"}, 400, "not UTF-8"),
         ("POST", "/v1/contexts", "x" * 5000, {"Content-Type": "text/plain"}, 413, "exceeds the limit"),
         ("POST", "/v1/contexts", '{"text": 3}', {"Content-Type": "application/json"}, 400, '"text" string'),
@@ -392,6 +399,25 @@ def test_client_disconnect_mid_stream_stops_generation(server):
     assert h["queue"]["stopped"].get("client gone", 0) == before + 1
     status, body, _ = server.request("POST", "/v1/chat/completions", chat())
     assert status == 200 and body["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.multiproc
+def test_client_that_leaves_a_whole_answer_stops_its_generation(server):
+    """Not streamed: the server does not cancel the handler of a client that left, so the handler's own
+    check stops the generation (before, it ran to max_tokens for nobody)."""
+    server.wait_idle()
+    before = server.health()["queue"]["stopped"].get("client gone", 0)
+    c = server.conn()
+    c.request(
+        "POST", "/v1/chat/completions", json.dumps(chat(max_tokens=400)), {"Content-Type": "application/json"}
+    )
+    deadline = time.monotonic() + 30
+    while server.health()["queue"]["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    h = server.wait_idle(60)
+    assert h["queue"]["stopped"].get("client gone", 0) == before + 1
 
 
 @pytest.mark.multiproc
@@ -505,3 +531,46 @@ def test_end_of_sequence_finishes_with_stop(tmp_path):
     assert info["finish_reason"] == "stop" and info["completion_tokens"] == greedy.index(eos) + 1
     info, _ = _run_in_process(model, tok, tmp_path / "b", ServeLimits(), greedy.index(eos))
     assert info["finish_reason"] == "length"
+
+
+def test_chat_template_refusal_is_a_400(tmp_path):
+    """A chat template that refuses the conversation (``raise_exception``, e.g. no system role) is the
+    client's error, with the template's message, not a 500."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from cepe.server import CepeService, ServeLimits, ServiceError, _completion_spec
+    from cepe.store import ContextStore
+    from cepe.tiny import tiny_model
+
+    model, _ = tiny_model()
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "<eos>": 1, "Hi": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", unk_token="[UNK]")
+    tok.chat_template = (  # as Gemma's refuses a system turn
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} {% endfor %}"
+    )
+    service = CepeService(model, tok, ContextStore(tmp_path / "s", model, tok), ServeLimits(), "tiny")
+    try:
+        req = SimpleNamespace(
+            max_completion_tokens=None,
+            max_tokens=4,
+            contexts=[],
+            context_budget=None,
+            retriever="bm25",
+            temperature=None,
+            top_p=1.0,
+            seed=None,
+        )
+        with pytest.raises(
+            ServiceError, match="chat template does not accept these messages: System role"
+        ) as err:
+            _completion_spec(service, req, [{"role": "system", "content": "Be brief."}], None)
+        assert err.value.status == 400
+        spec = _completion_spec(service, req, [{"role": "user", "content": "Hi"}], None)
+        assert spec["prompt_ids"] == [2]
+    finally:
+        service.worker.stop()
