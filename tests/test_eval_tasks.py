@@ -414,3 +414,34 @@ def test_each_item_returns_the_allocators_kept_pages(setup, monkeypatch):
     monkeypatch.setattr(common, "purge", lambda: purged.append(len(purged)) or True)
     values, cost = common.run_examples(setup, "truncated", [3, 1, 2], lambda m, x: (float(x), x), "items")
     assert values == [3.0, 1.0, 2.0] and cost["tokens"] == 6 and purged == [0, 1, 2]
+
+
+def test_replug_passes_read_the_piece_inside_the_prompt():
+    """REPLUG's passes read ``pre + piece + tail + suf``, as full context reads ``pre + document + suf``
+    (before, the piece came before the chat template's opening); without earlier context, or for the
+    other methods, the requests are as before. A total cap at or below the prompt keeps no document."""
+    from cepe.eval.tasks.longdoc import Config as DocConfig
+    from cepe.eval.tasks.longdoc import longdoc_request
+    from cepe.eval.tasks.needle import Config as NeedleConfig
+    from cepe.eval.tasks.needle import needle_request
+
+    pre, suf = [900, 901], [902, 903, 904]
+    hay = [[i * 10 + j for j in range(5)] for i in range(12)]  # 12 sentences of 5 tokens
+    cfg = NeedleConfig(haystack={"documents": []}, decoder_window=20, chunk_length=10)
+    full = needle_request("full", hay, pre, suf, cfg).input_ids
+    rep = needle_request("replug", hay, pre, suf, cfg)
+    assert rep.context and all(p[:2] == pre for p in rep.context)
+    assert [t for p in rep.context for t in p[2:]] + rep.input_ids == full[2:]
+    cepe = needle_request("cepe", hay, pre, suf, cfg)
+    assert cepe.input_ids == pre + rep.input_ids  # CEPE's decoder input keeps the opening
+    assert not needle_request("replug", hay[:3], pre, suf, cfg).context  # all of it in the window
+    doc = list(range(100))
+    dcfg = DocConfig(path="x", decoder_window=25, chunk_length=10)
+    full = longdoc_request("full", pre, doc, suf, dcfg).input_ids
+    rep = longdoc_request("replug", pre, doc, suf, dcfg)
+    assert all(p[:2] == pre for p in rep.context) and len(rep.context) == 8
+    assert [t for p in rep.context for t in p[2:]] + rep.input_ids == full[2:]
+    assert longdoc_request("cepe", pre, doc, suf, dcfg).input_ids == pre + rep.input_ids
+    for cap, kept in ((5, 0), (4, 0), (10, 5), (1000, 100)):
+        capped = DocConfig(path="x", decoder_window=25, chunk_length=10, max_total_tokens=cap)
+        assert longdoc_request("full", pre, doc, suf, capped).input_ids == pre + doc[100 - kept :] + suf

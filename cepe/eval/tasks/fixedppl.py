@@ -73,9 +73,10 @@ class Config:
     foreign_context: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 < self.eval_tokens <= self.decoder_window:
+        if not 0 < self.eval_tokens < self.decoder_window:
             raise ValueError(
-                f"eval_tokens ({self.eval_tokens}) must be in 1..decoder_window ({self.decoder_window})"
+                f"eval_tokens ({self.eval_tokens}) must be in 1..decoder_window - 1 ({self.decoder_window - 1}): "
+                "the window's first token has no prediction without context"
             )
         if not self.contexts or min(self.contexts) < 0:
             raise ValueError(f"contexts must be non-negative token counts, got {self.contexts}")

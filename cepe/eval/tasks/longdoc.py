@@ -98,6 +98,28 @@ class Config:
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
+def longdoc_request(method: str, pre: list[int], doc: list[int], suf: list[int], cfg: Config) -> Request:
+    """The prompt ``pre + doc + suf`` (the document's last ``max_total_tokens`` less the prompt's tokens) as
+    ``method`` reads it: the document's last tokens up to ``decoder_window`` in the decoder, the earlier
+    ones in pieces of ``chunk_length`` aligned to them in the encoder (CEPE), in REPLUG's passes (each
+    ``pre + piece + tail + suf``), dropped (truncated), or all in the decoder (full, StreamingLLM)."""
+    if cfg.max_total_tokens is not None:
+        keep = cfg.max_total_tokens - len(pre) - len(suf)
+        doc = doc[max(0, len(doc) - keep) :] if keep > 0 else []  # (doc[-0:] would keep all of it)
+    room = cfg.decoder_window - len(pre) - len(suf)
+    if room <= 0:
+        raise ValueError(f"decoder_window {cfg.decoder_window} leaves no room for the document")
+    tail, head = doc[-room:] if doc else [], doc[:-room] if len(doc) > room else []
+    if method in ("full", "streamingllm"):
+        req = Request(pre + doc + suf)
+    elif method == "replug" and head:
+        req = Request(tail + suf, 0, [pre + p for p in chunk_tail_aligned(head, cfg.chunk_length)])
+    else:
+        req = standard_request(method, chunk_tail_aligned(head, cfg.chunk_length), pre + tail + suf)
+    req.max_new_tokens, req.stop_ids = cfg.max_new_tokens, ()
+    return req
+
+
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     metric = text_metric(cfg.metric)
     if cfg.path:
@@ -113,18 +135,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         def answer(m, ex, _method=method):
             pre = setup.encode(before)
             suf = setup.encode(suffix_text.format(instr=ex["instruction"].strip()))
-            doc = setup.encode(ex["document"])
-            if cfg.max_total_tokens is not None:
-                doc = doc[-max(0, cfg.max_total_tokens - len(pre) - len(suf)) :]
-            room = cfg.decoder_window - len(pre) - len(suf)
-            if room <= 0:
-                raise ValueError(f"decoder_window {cfg.decoder_window} leaves no room for the document")
-            tail, head = doc[-room:], doc[:-room] if len(doc) > room else []
-            if _method in ("full", "streamingllm"):
-                req = Request(pre + doc + suf)
-            else:
-                req = standard_request(_method, chunk_tail_aligned(head, cfg.chunk_length), pre + tail + suf)
-            req.max_new_tokens, req.stop_ids = cfg.max_new_tokens, ()
+            req = longdoc_request(_method, pre, setup.encode(ex["document"]), suf, cfg)
             kwargs = cfg.sampling if _method in ("cepe", "full", "truncated") else {}
             pred = setup.decode(m.generate(req, **kwargs)).strip()
             return metric(pred, ex["answers"]), req.num_tokens + cfg.max_new_tokens

@@ -89,7 +89,8 @@ def build_haystack(
 def needle_request(method: str, hay: list[list[int]], pre: list[int], suf: list[int], cfg: Config) -> Request:
     """The prompt ``pre + haystack + suf`` as ``method`` reads it: whole sentences from the end, up to
     ``decoder_window`` tokens, in the decoder, the earlier ones packed into encoder chunks (CEPE, REPLUG),
-    dropped (truncated) or also in the decoder (full, StreamingLLM)."""
+    dropped (truncated) or also in the decoder (full, StreamingLLM). REPLUG's passes each read
+    ``pre + piece + tail + suf``, the piece where the other methods' earlier haystack is."""
     dec_n, cut = 0, len(hay)
     while cut > 0 and dec_n + len(hay[cut - 1]) <= cfg.decoder_window:
         cut -= 1
@@ -99,6 +100,10 @@ def needle_request(method: str, hay: list[list[int]], pre: list[int], suf: list[
         req = Request(pre + [t for s in hay for t in s] + suf)
     elif method == "truncated":
         req = Request(pre + tail + suf)
+    elif (
+        method == "replug" and cut > 0
+    ):  # each pass reads pre + piece + tail + suf: the piece inside the conversation
+        req = Request(tail + suf, 0, [pre + p for p in pack_sentences(hay[:cut], cfg.chunk_length)])
     else:
         req = Request(pre + tail + suf, 0, pack_sentences(hay[:cut], cfg.chunk_length))
     req.max_new_tokens = cfg.max_new_tokens
