@@ -445,3 +445,39 @@ def test_replug_passes_read_the_piece_inside_the_prompt():
     for cap, kept in ((5, 0), (4, 0), (10, 5), (1000, 100)):
         capped = DocConfig(path="x", decoder_window=25, chunk_length=10, max_total_tokens=cap)
         assert longdoc_request("full", pre, doc, suf, capped).input_ids == pre + doc[100 - kept :] + suf
+
+
+def test_icl_auto_scoring_does_not_depend_on_the_methods_run(monkeypatch):
+    """``scoring: auto`` takes the truncated decoder's best variant; a run without ``truncated`` runs it
+    too (before, it fell back to ``ll``), so CEPE's row is the same whichever methods a run names."""
+    import torch
+
+    import cepe.eval.tasks.icl as icl
+    from cepe.data.split import doc_hash
+
+    def only_pmi_right(scores, domain):  # pmi picks the gold label's column 0, every other variant the last
+        n = len(scores)
+        first, last = torch.zeros(n), torch.zeros(n)
+        first[0], last[-1] = 1.0, 1.0
+        return {v: first if v == "pmi" else last for v in icl.SCORING_VARIANTS}
+
+    monkeypatch.setattr(icl, "label_scores", lambda s, d: only_pmi_right(s, d))
+    docs = _docs(30, sentences=3, label=["arts", "sport"])
+    for d in docs:  # every query is "arts", the first label; demonstrations of both labels
+        if doc_hash(d["id"], 0) < 0.3:
+            d["label"] = "arts"
+    cfg = {
+        "source": {"documents": docs},
+        "test_fraction": 0.3,
+        "encoder_demos": [2],
+        "test_size": 3,
+        "seeds": [0],
+        "max_text_tokens": 24,
+    }
+    rows = {}
+    for methods in (["cepe"], ["cepe", "truncated"]):
+        r = run_task("icl", load_setup("tiny", methods, progress=False), cfg)
+        rows[len(methods)] = {x["method"]: x for x in r["rows"]}
+    assert set(rows[1]) == set(rows[2]) == {"cepe", "truncated"}
+    for n in (1, 2):
+        assert rows[n]["cepe"]["metric"] == "accuracy[pmi]" and rows[n]["cepe"]["value"] == 100.0
