@@ -204,3 +204,10 @@ def test_merge_equals_one_run(setup):
         ruler.merge([parts[0], parts[0]])
     with pytest.raises(ValueError, match="differs from run 1 in 'config'"):
         ruler.merge([parts[0], {**parts[1], "config": {**cfg, "samples": 2}}])
+
+
+def test_planted_values_do_not_contain_each_other():
+    """QA is scored by containment: a value inside another (7 in 77) would count a wrong answer right."""
+    values = [v.lower() for _, vs in ruler._ATTRIBUTES for v in vs]
+    assert len(set(values)) == len(values)
+    assert not [(a, b) for a in values for b in values if a != b and a in b]

@@ -148,8 +148,10 @@ _ATTRIBUTES = (
     ("favourite colour", ("red", "blue", "green", "yellow", "purple", "orange", "silver", "black")),
     ("home town", ("Leeds", "Bristol", "Oxford", "Dundee", "Cardiff", "Norwich", "Bath", "York")),
     ("pet", ("a cat", "a parrot", "a goat", "a tortoise", "a rabbit", "a hamster", "a horse", "a dog")),
-    ("lucky number", tuple(str(n) for n in (7, 13, 21, 42, 58, 64, 77, 99))),
+    ("lucky number", tuple(str(n) for n in (36, 13, 21, 42, 58, 64, 77, 99))),
 )
+"""Planted facts' values. QA scores by containment (RULER's ``string_match_part``), so no value may
+contain another: with both 7 and 77, an answer 77 counted as right for 7."""
 _ROLES = ("treasurer", "founder", "captain", "secretary", "chairman", "librarian")
 _ORG_KINDS = ("Society", "Rowing Club", "Choir", "Guild", "Chess Club", "Trust")
 
