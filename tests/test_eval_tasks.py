@@ -117,6 +117,21 @@ def test_qa(setup, tmp_path):
     assert "Gold answers, teacher-forced" in open(paths["markdown"]).read()
 
 
+def test_qa_demonstration_passage_choice():
+    """``demo_passage: answer`` shows each demonstration the passage that holds its answer (the synthetic
+    set plants it at a random rank); ``top`` its first passage, as recorded; anything else is refused."""
+    from cepe.eval.tasks.qa import Config, demo_context, synthetic_qa
+
+    data = synthetic_qa({"documents": _docs(12)}, 20, 5, passage_words=15)
+    shown = [demo_context(d["ctxs"], "answer") for d in data]
+    assert all(d["answers"][0] in c["text"] for d, c in zip(data, shown))
+    top = [demo_context(d["ctxs"], "top") for d in data]
+    assert top == [d["ctxs"][0] for d in data] and sum(c.get("has_answer", False) for c in top) < 20
+    assert demo_context([{"text": "x"}], "answer") == {"text": "x"} and demo_context([], "top") is None
+    with pytest.raises(ValueError, match="demo_passage must be 'top' or 'answer'"):
+        Config(demo_passage="gold")
+
+
 def test_qa_answer_place_and_likelihood():
     """``answer_place`` puts the answer's passage where each method reads it; the forced answer NLL is
     the decoder's own cross-entropy of the gold answer after the prompt (truncated), and CEPE with its

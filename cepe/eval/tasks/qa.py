@@ -133,6 +133,12 @@ class Config:
         synthetic: ``{"source": {...}, "num_questions", "passage_words"}``.
         ks: passages per question (paper 10..60); decoder_passages: in the decoder for CEPE (paper 10).
         num_demos: demonstrations (paper 2), each with its top-1 passage.
+        demo_passage: which passage a demonstration shows: ``top`` (its first, the paper's top-1
+            retrieved passage, which in the paper's data usually holds the answer) or ``answer`` (the
+            first marked ``has_answer``, else the first). The synthetic set plants each answer in a
+            passage of random rank, so with ``top`` a demonstration shows a passage that holds its
+            answer only one time in ``num_passages``; ``answer`` shows one that does. The recorded QA
+            results use ``top``.
         max_new_tokens: generation length; generation stops at a newline.
         passage_template / demo_template / question_template: prompt pieces.
     """
@@ -145,12 +151,26 @@ class Config:
     ks: list[int] = field(default_factory=lambda: [10, 20, 30, 60])
     decoder_passages: int = 10
     num_demos: int = 2
+    demo_passage: str = "top"
     num_examples: int | None = None
     max_new_tokens: int = 20
     passage_template: str = "Document (Title: {title}): {text}\n\n"
     question_template: str = "Question: {question}\nAnswer:"
     demo_answer_template: str = " {answer}\n\n\n"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.demo_passage not in ("top", "answer"):
+            raise ValueError(f"demo_passage must be 'top' or 'answer', got {self.demo_passage!r}")
+
+
+def demo_context(ctxs: list[dict[str, Any]], choice: str) -> dict[str, Any] | None:
+    """The passage a demonstration shows (``Config.demo_passage``); None without passages."""
+    if not ctxs:
+        return None
+    if choice == "answer":
+        return next((c for c in ctxs if c.get("has_answer")), ctxs[0])
+    return ctxs[0]
 
 
 def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
@@ -174,11 +194,12 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     def passage(c: dict[str, Any]) -> str:
         return cfg.passage_template.format(title=c.get("title", ""), text=c.get("text", ""))
 
+    shown = [demo_context(d["ctxs"], cfg.demo_passage) for d in demos]
     demo_text = "".join(
-        (passage(d["ctxs"][0]) if d["ctxs"] else "")
+        (passage(c) if c is not None else "")
         + cfg.question_template.format(question=d["question"])
         + cfg.demo_answer_template.format(answer=d["answers"][0])
-        for d in demos
+        for d, c in zip(demos, shown)
     )
     demo_ids = setup.encode(demo_text)
     stops = setup.newline_ids()
