@@ -336,3 +336,33 @@ def test_eval_autocast_auto_follows_the_machine(monkeypatch):
     assert resolve_autocast(None, "cpu") is None
     with pytest.raises(ValueError, match="autocast must be auto, bf16 or fp16"):
         EvalRunConfig(autocast="bf15")
+
+
+def test_eval_configs_score_only_documents_never_trained_on():
+    """Every bundled eval config that reads a training corpus (austen, acl, stdlib) reads its test,
+    retrieval or validation documents of the training data's split (seed 1, 10 % test / 5 % retrieval),
+    except the configs made to score training text (``*_train.yaml``); ralm splits by its own fields."""
+    import glob
+
+    import yaml
+
+    trained = {"austen", "acl", "stdlib"}
+    split = {"split_seed": 1, "test_fraction": 0.1, "retrieval_fraction": 0.05}
+    bad = []
+    for path in sorted(glob.glob("configs/eval/*.yaml")):
+        if path.endswith("_train.yaml"):
+            continue
+        cfg = yaml.safe_load(open(path)) or {}
+        for key in ("sources", "haystack", "source", "essays"):
+            srcs = cfg.get(key) or []
+            for src in srcs if isinstance(srcs, list) else [srcs]:
+                if not isinstance(src, dict) or src.get("corpus") not in trained:
+                    continue
+                if "ralm" in path:  # its own split of these sources
+                    if any(cfg.get(k) != v for k, v in split.items()):
+                        bad.append((path, "ralm split"))
+                elif src.get("split") not in ("test", "retrieval", "val") or any(
+                    src.get(k) != v for k, v in split.items()
+                ):
+                    bad.append((path, src))
+    assert not bad

@@ -41,7 +41,7 @@ class Config:
         default_factory=lambda: [{"name": "acl", "corpus": "acl"}, {"name": "code", "corpus": "stdlib"}]
     )
     retrieval_sources: list[dict[str, Any]] | None = None
-    split_seed: int = 0
+    split_seed: int = 1  # the shipped adapter's training split (with test 0.1 / retrieval 0.05: held out)
     test_fraction: float = 0.05
     retrieval_fraction: float = 0.05
     seq_length: int = 2048
