@@ -737,6 +737,8 @@ class CepeForCausalLM(nn.Module):
             raise ValueError("give cross_context or encoder inputs, not both")
         self._check_context_batch(input_ids, ctx)
         self._check_recomputation(ctx)
+        if labels is not None:  # a loss: no self-attention cache unless asked for (HF's default builds one)
+            kwargs.setdefault("use_cache", False)
         if ctx is not None and self.cepe_config.output_mix:
             with self.use_context(ctx.with_decoder_rows()):
                 return self._mixed_forward(

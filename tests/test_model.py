@@ -439,6 +439,13 @@ def test_loss_matches_full_logits_cross_entropy(tiny_model):
     assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
     full = tiny_model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
     assert (out.logits - full).abs().max().item() < 1e-5
+    # a loss builds no self-attention cache nobody reads (HF's default would), unless asked for one
+    assert out.past_key_values is None
+    with torch.no_grad():
+        cached = tiny_model(
+            ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, labels=labels, use_cache=True
+        )
+    assert cached.past_key_values is not None and cached.loss.item() == out.loss.item()
 
 
 def test_copy_init_copies_self_attention():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from cepe import CepeForCausalLM
@@ -217,6 +218,41 @@ def test_ceped_teacher_and_training(tmp_path):
     assert _falls([r["loss"] for r in log], k=3)
 
 
+def test_offline_teacher_reads_the_students_shuffled_windows(tmp_path):
+    """With ``data.shuffle`` the student reads permuted windows; the offline teacher's distributions are the
+    decoder's on the same permuted tokens (before, on the unpermuted ones); ``context_drop``, a CEPE-stage
+    option, is refused for ceped (its teacher reads every chunk)."""
+    from cepe.modeling import decoder_logits
+    from cepe.training.data import build_example, window_source
+    from cepe.training.losses import teacher_topk
+    from cepe.training.models import build_decoder
+
+    cfg = _cfg(
+        "ceped",
+        tmp_path / "d",
+        init_adapter="null",
+        teacher_dir=tmp_path / "t",
+        batch_size=4,
+        teacher_examples_per_shard=8,
+        **{"data.shuffle": 1.0, "chunk_noise": 0.0},
+    )
+    run_teacher(cfg, progress=False, num_examples=8)
+    store, dec, src = TeacherStore(cfg), build_decoder(cfg), window_source(cfg, 128)
+    m = cfg.n_chunks * cfg.chunk_length
+    for i in (0, 5):
+        ex = build_example(cfg, src[i], i, None)
+        ids = torch.cat([ex["encoder_input_ids"].flatten(), ex["input_ids"]])
+        assert not torch.equal(ids, torch.as_tensor(src[i]))  # permuted
+        with torch.no_grad():
+            hidden = dec.get_decoder()(input_ids=ids[None]).last_hidden_state[0, m:-1]
+        p, j = teacher_topk(decoder_logits(dec, hidden), cfg.top_k)
+        probs, idx = store.get(i)
+        assert torch.equal(idx[:, :3], j[:, :3].long())
+        torch.testing.assert_close(probs.float(), p.float(), atol=2e-3, rtol=1e-2)
+    with pytest.raises(ValueError, match="context_drop is a CEPE-stage option"):
+        _cfg("ceped", tmp_path / "x", context_drop=0.3)
+
+
 def test_ceped_needs_teacher(tmp_path):
     cfg = _cfg("ceped", tmp_path / "d", init_adapter="null", teacher_dir=tmp_path / "none", steps=2)
     with pytest.raises(ValueError, match="cepe teacher"):
@@ -346,8 +382,24 @@ def test_bad_config_messages(tmp_path):
 
 # ----------------------------------------------------------------------------- several processes
 @pytest.mark.multiproc
-def test_two_processes_end_with_identical_weights(tmp_path):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_two_processes_end_with_identical_weights(tmp_path, mixed):
+    """Two processes train in step to identical weights; with mixed tasks too, where one process's
+    micro-batches may hold kinds the other's do not (its metrics then differ in keys, and the processes
+    must still run the same collectives)."""
     out = tmp_path / "ddp"
+    config = TINY / "cepe.yaml"
+    if mixed:
+        d = yaml.safe_load(config.read_text())
+        d.update(
+            data={"synthetic": "distinct"},
+            tasks={"lm": 1, "copy": 1, "recall": 1},
+            recall_cue=4,
+            recall_span=[4, 12],
+            micro_batch_size=1,
+        )
+        config = tmp_path / "mixed.yaml"
+        config.write_text(yaml.safe_dump(d))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable,
@@ -363,7 +415,7 @@ def test_two_processes_end_with_identical_weights(tmp_path):
         "--stage",
         "cepe",
         "--config",
-        str(TINY / "cepe.yaml"),
+        str(config),
         "--output-dir",
         str(out),
         "--steps",
@@ -376,7 +428,10 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     digests = json.loads((out / "final_digests.json").read_text())
     assert len(digests) == 2 and digests[0] == digests[1]
-    assert len(read_log(out)) == 3
+    log = read_log(out)
+    assert len(log) == 3
+    if mixed:
+        assert all({"lm_lm", "lm_copy", "lm_recall"} <= set(row) for row in log)
 
 
 def test_fsdp_on_cpu_is_refused_clearly(tmp_path, monkeypatch):

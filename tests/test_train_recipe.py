@@ -1423,3 +1423,29 @@ def test_mixed_stage_with_the_output_mixture_logs_each_kind_from_one_pass(tmp_pa
             want = lm_loss(model, hidden[rows], batch["labels"][rows], module._head, False, alone[rows])
             torch.testing.assert_close(metrics[f"lm_{name}"], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(metrics["lm"], loss - cfg.align_coef * metrics["align"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_steps_examples_do_not_depend_on_the_number_of_processes(tmp_path):
+    """Each example's layout (decoder length, chunk count, chunk length) follows its micro-batch's place in
+    the step, as its index does: two processes build what one builds (before, the draws were per
+    process-local micro-batch, so two processes shared draws that one process drew apart)."""
+    from cepe.training.trainer import example_maker, micro_batch
+
+    cfg = _mixed(
+        tmp_path, micro_batch_size=2, chunk_noise=0.0, decoder_lengths=[20, 32], context_chunks=[2, 4]
+    )
+    make = example_maker(cfg)
+
+    def shapes(world: int) -> dict[int, tuple]:
+        out = {}
+        for step in range(6):
+            for rank in range(world):
+                for micro in range(cfg.batch_size // (cfg.micro_batch_size * world)):
+                    b = micro_batch(cfg, make, step, micro, rank, world, keep_index=True)
+                    for j, i in enumerate(b["index"].tolist()):
+                        out[i] = (tuple(b["input_ids"][j].shape), tuple(b["encoder_input_ids"][j].shape))
+        return out
+
+    one = shapes(1)
+    assert len(one) == 6 * cfg.batch_size and len(set(one.values())) > 1
+    assert shapes(2) == one

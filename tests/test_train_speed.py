@@ -340,6 +340,34 @@ def test_snapshot_continues_a_stage_on_a_new_machine(tmp_path, monkeypatch):
         train(other, resume=True)
 
 
+def test_snapshot_save_killed_between_its_renames_keeps_the_previous_one(tmp_path, monkeypatch):
+    """A save killed after moving the previous snapshot aside and before putting the new one in place
+    leaves the previous one, which reading and the next save put back (before: no snapshot, and a resume
+    on a new machine started at step 0)."""
+    from cepe.training.models import build_model
+    from cepe.training.runctl import load_snapshot, read_snapshot, save_snapshot
+
+    model = build_model(_cfg("cepe", tmp_path / "m", init_adapter="null"))
+    snap = tmp_path / "snap"
+    save_snapshot(snap, model, {"step": 3})
+    real = os.replace
+
+    def killed_second(a, b):  # the new snapshot's rename into place, after the previous one moved aside
+        if Path(b) == snap and Path(a).name.startswith(".snap.tmp-"):
+            raise KeyboardInterrupt("killed between the renames")
+        real(a, b)
+
+    monkeypatch.setattr("cepe.training.runctl.os.replace", killed_second)
+    with pytest.raises(KeyboardInterrupt):
+        save_snapshot(snap, model, {"step": 6})
+    monkeypatch.undo()
+    assert not snap.exists()
+    assert read_snapshot(snap) == {"step": 3}
+    load_snapshot(snap, model)
+    save_snapshot(snap, model, {"step": 6})
+    assert read_snapshot(snap) == {"step": 6} and not (tmp_path / ".snap.old").exists()
+
+
 def test_status_and_profile(tmp_path, capsys):
     from cepe.training.cli import show_status
 

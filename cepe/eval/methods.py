@@ -261,7 +261,7 @@ class CepeMethod(DecoderMethod):
         kwargs: dict[str, Any] = {}
         if enc is not None:
             kwargs = {"encoder_input_ids": enc[0], "encoder_attention_mask": enc[1]}
-        return self.model(input_ids=ids, logits_to_keep=keep, **kwargs).logits
+        return self.model(input_ids=ids, logits_to_keep=keep, use_cache=False, **kwargs).logits
 
     def _generate_kwargs(self, request: Request) -> dict[str, Any]:
         enc = self.encoder_inputs([request])

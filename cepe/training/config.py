@@ -462,6 +462,11 @@ class TrainConfig:
                 self.stage == "warmup" or (self.stage == "cepe" and self.tasks is not None),
                 "align_coef (attention supervision) needs the copy warmup stage or a mixed CEPE stage (tasks)",
             )
+        _check(
+            self.context_drop == 0 or self.stage == "cepe",
+            f"context_drop is a CEPE-stage option (stage {self.stage!r}): the ceped stage's offline teacher "
+            "reads every chunk, so a student that drops some would be taught another context",
+        )
         if self.tasks is not None:
             self._validate_tasks()
         if self.chunk_lengths is not None:

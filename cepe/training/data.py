@@ -139,6 +139,19 @@ def _drop_first_chunks(mask: torch.Tensor, d: int) -> torch.Tensor:
     return out
 
 
+def shuffled_window(cfg: TrainConfig, window: Any, index: int) -> Any:
+    """Window ``index`` as the example reads it: its tokens permuted for a ``data.shuffle`` fraction of the
+    windows (seeded by the example), else as it is. The offline CEPED teacher reads the same tokens."""
+    if not cfg.data.shuffle:
+        return window
+    g = example_generator(cfg.data.seed, _SHUFFLE_TAG, index)
+    frac = float(cfg.data.shuffle)
+    if frac >= 1.0 or float(torch.rand((), generator=g)) < frac:
+        window = torch.as_tensor(window)
+        window = window[torch.randperm(window.shape[-1], generator=g)]
+    return window
+
+
 def build_example(
     cfg: TrainConfig,
     window: torch.Tensor,
@@ -163,12 +176,7 @@ def build_example(
     seed = cfg.data.seed
     if cfg.tasks is not None and cfg.stage == "cepe":
         return mixed_example(cfg, torch.as_tensor(window), index, foreign)
-    if cfg.data.shuffle:
-        g = example_generator(seed, _SHUFFLE_TAG, index)
-        frac = float(cfg.data.shuffle)
-        if frac >= 1.0 or float(torch.rand((), generator=g)) < frac:
-            window = torch.as_tensor(window)
-            window = window[torch.randperm(window.shape[-1], generator=g)]
+    window = shuffled_window(cfg, window, index)
     if cfg.stage == "mlm":
         if mask_token_id is None:
             raise ValueError("the mlm stage needs a mask token id")

@@ -506,8 +506,10 @@ class StageModule(nn.Module):
         copy: CopySpans | None = None,
     ) -> dict[str, torch.Tensor]:
         """The next-token loss of each example kind of a mixed stage (``batch["task"]``), for the log only
-        (no gradient; the training loss is the mean over all kinds' tokens). Costs one more pass of the
-        output head over the scored tokens (plus the recalled spans again), forward only."""
+        (no gradient; the training loss is the mean over all kinds' scored tokens of the micro-batch, and a
+        step's loss the mean of its micro-batches' losses, so ``micro_batch_size`` is part of the
+        objective). Costs one more pass of the output head over the scored tokens (plus the recalled spans
+        again), forward only."""
         from .config import TASK_KINDS
 
         out = {}

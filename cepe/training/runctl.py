@@ -252,6 +252,7 @@ def save_snapshot(snapshot_dir: str | Path, model: torch.nn.Module, state: dict[
 
     final = Path(snapshot_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
+    _recover_snapshot(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         if isinstance(model, CepeForCausalLM):
@@ -272,10 +273,20 @@ def save_snapshot(snapshot_dir: str | Path, model: torch.nn.Module, state: dict[
     return final
 
 
+def _recover_snapshot(final: Path) -> None:
+    """Put back the previous snapshot where a save was killed between its two renames (``final`` gone, its
+    previous copy still kept aside as ``.NAME.old``)."""
+    old = final.with_name(f".{final.name}.old")
+    if not final.exists() and (old / SNAPSHOT_FILE).is_file():
+        os.replace(old, final)
+
+
 def read_snapshot(snapshot_dir: str | Path | None) -> dict[str, Any] | None:
-    """``snapshot.json`` of ``snapshot_dir``, or None when there is none."""
+    """``snapshot.json`` of ``snapshot_dir``, or None when there is none (a save killed between its renames
+    leaves the previous snapshot, which is put back and read)."""
     if not snapshot_dir:
         return None
+    _recover_snapshot(Path(snapshot_dir))
     path = Path(snapshot_dir) / SNAPSHOT_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -289,6 +300,7 @@ def load_snapshot(snapshot_dir: str | Path, model: torch.nn.Module) -> None:
     from .models import MLM_WEIGHTS
 
     root = Path(snapshot_dir)
+    _recover_snapshot(root)
     if isinstance(model, CepeForCausalLM):
         model.load_adapter_state_dict(load_file(root / ADAPTER_WEIGHTS))
     else:

@@ -24,7 +24,7 @@ from cepe.fileio import atomic_path, write_json
 from cepe.modeling import decoder_logits
 
 from .config import TrainConfig
-from .data import window_source
+from .data import shuffled_window, window_source
 from .losses import teacher_topk
 
 MANIFEST = "manifest.json"
@@ -142,7 +142,10 @@ def _teacher_shard(
     probs, idx = [], []
     for start in range(examples.start, examples.stop, cfg.micro_batch_size):
         stop = min(start + cfg.micro_batch_size, examples.stop)
-        ids = torch.stack([source[i] for i in range(start, stop)]).to(dev)  # (B, T)
+        # (B, T): the windows as the student's examples read them (data.shuffle permutes some)
+        ids = torch.stack(
+            [torch.as_tensor(shuffled_window(cfg, source[i], i)) for i in range(start, stop)]
+        ).to(dev)
         with (
             torch.no_grad(),
             torch.autocast(dev.type, dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16, dev)),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cepe import fileio
 from cepe.alloc import jemalloc_active, purge
 from cepe.config import is_adapter_key
 
@@ -549,7 +550,8 @@ def _open_output(run: _Run) -> None:
         run.out.mkdir(parents=True, exist_ok=True)
         run.cfg.save(run.out / CONFIG_FILE)
         kept = [r for r in read_log(run.out) if r.get("step", 0) <= run.start] if run.start else []
-        (run.out / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # atomically: a kill here keeps the whole history, not an empty file
+        fileio.write_text(run.out / LOG_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _measure_peak(run: _Run, use_bf16: bool) -> float | None:
@@ -620,12 +622,16 @@ def micro_batch(
 ) -> dict[str, torch.Tensor]:
     """Micro-batch ``micro`` of optimizer step ``step`` on process ``rank`` of ``world``, as training runs it:
     its examples at the micro-batch's drawn layout, collated, regrouped to its drawn chunk length (CPU).
-    ``keep_index``: keep each example's index (``batch["index"]``; training drops it)."""
+    ``keep_index``: keep each example's index (``batch["index"]``; training drops it).
+
+    The layout and chunk-length draws follow the micro-batch's place in the step (``micro·world + rank``,
+    as its examples do), so a step's examples are the same whatever the number of processes."""
     idx = example_indices(step, cfg.batch_size, micro, cfg.micro_batch_size, rank, world)
-    batch = collate([make(i, *step_layout(cfg, step, micro)) for i in idx])
+    place = micro * world + rank
+    batch = collate([make(i, *step_layout(cfg, step, place)) for i in idx])
     if not keep_index:
         batch.pop("index")
-    length = step_chunk_length(cfg, step, micro)
+    length = step_chunk_length(cfg, step, place)
     return regroup_chunks(batch, length) if length is not None else batch
 
 
@@ -774,15 +780,30 @@ def _step(run: _Run, step: int) -> _StepResult:
         purge()
 
     loss_value = acc.reduce(torch.stack(losses).mean(), "mean")
-    metric_values = {k: float(acc.reduce(torch.stack(v).mean(), "mean")) for k, v in extra.items()}
     return _StepResult(
         loss=float(loss_value),
-        metrics=metric_values,
+        metrics=_reduce_metrics(run, extra),
         lr=lr,
         grad_norm=None if grad_norm is None else float(grad_norm),
         tokens=tokens,
         dt=time.perf_counter() - t0,
     )
+
+
+def _reduce_metrics(run: _Run, extra: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Each metric's mean over its micro-batches, then over the processes that logged it. A process logs
+    only the kinds its micro-batches held (``lm_recall`` ...), so the processes first agree on the keys:
+    every process then runs the same one reduction."""
+    keys = list(extra)
+    if run.world > 1:
+        from accelerate.utils import gather_object
+
+        keys = sorted({k for ks in gather_object([keys]) for k in ks})
+    rows = [[float(torch.stack(extra[k]).mean()), 1.0] if k in extra else [0.0, 0.0] for k in keys]
+    if not rows:
+        return {}
+    sums = run.acc.reduce(torch.tensor(rows, dtype=torch.float32, device=run.acc.device), "sum")
+    return {k: float(sums[i, 0] / sums[i, 1]) for i, k in enumerate(keys)}
 
 
 def _after_step(run: _Run, signals: Signals, done: int) -> float:
