@@ -816,6 +816,7 @@ class CrossAttention(nn.Module):
             and self.match_gate is None
             and self.induction_gate is None
             and self.run_bias is None
+            and (ctx.align is None or not ctx.align.wants(self.layer_idx))  # it scores the keys themselves
         ):
             out = self._absorbed(q, ctx.states.to(q.dtype), key_mask, ctx.impl)
         else:

@@ -649,3 +649,24 @@ def test_context_scale_equals_scaled_o_proj_and_survives_generation():
         CepeConfig(
             encoder=EncoderConfig(vocab_size=10, hidden_size=8, num_attention_heads=2), context_scale=-1
         )
+
+
+def test_attention_alignment_is_computed_in_every_cache_mode(tiny_model):
+    """The alignment probe scores the keys themselves: the ``absorbed`` mode (keys folded into the
+    query) projects them for a layer it supervises instead of skipping the probe (before: no loss)."""
+    from cepe.cross_attention import AlignProbe
+
+    ids = _ids()
+    enc_ids, enc_mask = random_context(2, 3)
+    targets = torch.full(ids.shape, -1, dtype=torch.long)
+    targets[:, 3:] = torch.arange(ids.shape[1] - 3) % 20
+    losses = {}
+    for mode in ("states", "kv", "absorbed"):
+        ctx = tiny_model.prepare_context(enc_ids, enc_mask, cross_attention_cache=mode)
+        ctx.align = AlignProbe(targets, heads=2)
+        with torch.no_grad():
+            tiny_model(ids, cross_context=ctx)
+        assert len(ctx.align.losses) == len(tiny_model.cross_attention_modules())
+        losses[mode] = float(ctx.align.loss())
+    assert losses["absorbed"] == pytest.approx(losses["states"], rel=1e-5)
+    assert losses["kv"] == pytest.approx(losses["states"], rel=1e-5)
