@@ -22,6 +22,8 @@ for name in ${ONLY:-fixedppl_val_short fixedppl_val lm_val copy_val needle_val4 
     *) echo "unknown validation config: $name" >&2; exit 2 ;;
   esac
   cepe eval "$task" --model "$ADAPTER" --config "configs/eval/$name.yaml" --methods cepe --autocast auto \
-    --no-progress --out "$OUT/$name" > "$OUT/$name.log" 2>&1 || { echo "$name failed: $OUT/$name.log" >&2; exit 1; }
+    --no-progress --out "$OUT/$name" > "$OUT/$name.log" 2>&1 || {
+    rc=$?  # a signal (128 + its number) passes through: the caller stops rather than going on
+    echo "$name failed: $OUT/$name.log" >&2; [ $rc -gt 128 ] && exit $rc; exit 1; }
   echo "$name done: $OUT/$name/"
 done

@@ -27,13 +27,15 @@ if [ -n "${WAIT_FOR:-}" ] && [ ! -f "configs/train/recipe/$WAIT_FOR.yaml" ]; the
   echo "WAIT_FOR=$WAIT_FOR: no such stage (configs/train/recipe/$WAIT_FOR.yaml)" >&2; exit 2
 fi
 mkdir -p runs/recipe
-if [ -f runs/recipe/heads.pid ] && kill -0 "$(cat runs/recipe/heads.pid)" 2>/dev/null; then
+. scripts/pidfile.sh  # pid_running: a pid file's process, told from a later one given the same pid
+if pid_running runs/recipe/heads.pid 'heads_and_validate\|pipeline'; then
   echo "heads_and_validate is running already (pid $(cat runs/recipe/heads.pid), log runs/recipe/heads.log)" >&2
   exit 2
 fi
 # jemalloc where there is one (a preload the chain passes down stays): the heads fit purges its kept pages
 # after each recorded step and the evaluations after each item, as training does after each step
 . scripts/fast_alloc.sh 2>> runs/recipe/heads.log
+. scripts/recipe_corpus.sh  # stage_corpus: a recipe's corpus, through the configs it extends
 # the validation configs, in the order the decision reads them
 VAL="fixedppl_val_short fixedppl_val_short_kernel needle_val4 needle_val2 needle_val3 fixedppl_val lm_val qa_val copy_val"
 pipeline() {
@@ -43,7 +45,7 @@ pipeline() {
   if [ -n "${WAIT_FOR:-}" ]; then
     log "waiting for $WAIT_FOR"
     until grep -qs '"state": "done"' "runs/recipe/$WAIT_FOR/status.json"; do
-      if ! { [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; }; then
+      if ! pid_running runs/recipe/chain.pid run_chain; then
         log "the chain is not running and $WAIT_FOR is not done: run the chain again, then this"; exit 1
       fi
       sleep 60
@@ -52,12 +54,12 @@ pipeline() {
   fi
   for name in "$@"; do
     local fit=runs/recipe/$name-fit res=results/recipe/$name/fit150_int8
-    if grep -qs 'runs/data/mini_kernel' "configs/train/recipe/$name.yaml" && [ ! -f runs/data/mini_kernel/summary.json ]; then
+    if [ "$(stage_corpus "$name")" = runs/data/mini_kernel ] && [ ! -f runs/data/mini_kernel/summary.json ]; then
       log "$name: preparing runs/data/mini_kernel"
       cepe prepare-data --corpora austen acl stdlib linux-docs linux-code --max-docs 1000 --seed 1 \
         --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini_kernel --quiet
     fi
-    if [ ! -f "$fit/adapter/cepe_config.json" ]; then
+    if [ ! -f "$fit/fit.md" ]; then  # written last, after the adapter and fit.json (a kill before: fit again)
       log "$name: fit-heads"
       cepe fit-heads --recipe "configs/train/recipe/$name.yaml" --compare adapters/smollm2-135m-cepe \
         --no-progress >> "runs/recipe/$name-fit.log" 2>&1
@@ -70,8 +72,12 @@ pipeline() {
       if ! ls "$res/$cfg/"*.json > /dev/null 2>&1; then
         log "$name: $cfg"
         # one evaluation that fails does not stop the others; the verdict names it as not evaluated
-        ONLY=$cfg bash scripts/eval_val.sh "$fit/int8" "$res" ||
-          log "$name: $cfg failed ($res/$cfg.log); going on, rerun this command once it is fixed"
+        rc=0
+        ONLY=$cfg bash scripts/eval_val.sh "$fit/int8" "$res" || rc=$?
+        if [ $rc -gt 128 ]; then  # stopped by a signal: stop too (the chain then stops, to be run again)
+          log "$name: $cfg stopped by signal $((rc - 128))"; exit $rc
+        fi
+        [ $rc -eq 0 ] || log "$name: $cfg failed ($res/$cfg.log); going on, rerun this command once it is fixed"
       fi
     done
     python scripts/val_verdict.py "$res" --out "results/recipe/$name/val_verdict" | tail -1
@@ -88,7 +94,7 @@ if [ -n "${FOREGROUND:-}" ]; then
   exit $rc
 fi
 # (a subshell, not `pipeline || ...`, which would switch off set -e inside it)
-nohup bash -c "$(declare -f pipeline); (VAL='$VAL' pipeline $*); rc=\$?; [ \$rc -eq 0 ] ||
+nohup bash -c "$(declare -f pipeline stage_corpus pid_running); (VAL='$VAL' pipeline $*); rc=\$?; [ \$rc -eq 0 ] ||
   { echo \"\$(date -u +%FT%TZ) stopped by an error (exit \$rc): fix it, then rerun bash scripts/heads_and_validate.sh $*\"; exit \$rc; }" \
   >> runs/recipe/heads.log 2>&1 &
 echo $! > runs/recipe/heads.pid

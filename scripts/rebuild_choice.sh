@@ -33,16 +33,17 @@ mkdir -p runs/recipe
 if [ -f runs/recipe/rebuild.pid ] && kill -0 "$(cat runs/recipe/rebuild.pid)" 2>/dev/null; then
   echo "already running (pid $(cat runs/recipe/rebuild.pid)); log: runs/recipe/rebuild.log"; exit 0
 fi
+. scripts/pidfile.sh  # pid_running
 rebuild() {
   set -euo pipefail
   . .venv/bin/activate
   chain() {  # the stages named, through scripts/train_chain.sh (or the chain already running), to their end
-    if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; then
+    if pid_running runs/recipe/chain.pid run_chain; then
       echo "$(date -u +%FT%TZ) a chain is running already (pid $(cat runs/recipe/chain.pid)): waiting for it"
     else
       bash scripts/train_chain.sh "$@"
     fi
-    while kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; do sleep 5; done
+    while pid_running runs/recipe/chain.pid run_chain; do sleep 5; done
   }
   done_or_stop() {
     grep -q '"state": "done"' "runs/recipe/$1/status.json" 2>/dev/null \
@@ -81,6 +82,6 @@ rebuild() {
     probe "runs/recipe/$MIX/checkpoints/step_000060/adapter" "$MIX" 60
   fi
 }
-nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE CHOICE MIX); $(declare -f rebuild); rebuild" >> runs/recipe/rebuild.log 2>&1 &
+nohup bash -c "$(declare -p STAGES PARENTS SOUP PROBE CHOICE MIX); $(declare -f rebuild pid_running); rebuild" >> runs/recipe/rebuild.log 2>&1 &
 echo $! > runs/recipe/rebuild.pid
 echo "started the rebuild (pid $!), log runs/recipe/rebuild.log"

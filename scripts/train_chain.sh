@@ -22,7 +22,8 @@ for name in "$@"; do
 done
 . .venv/bin/activate
 mkdir -p runs/recipe
-if [ -f runs/recipe/chain.pid ] && kill -0 "$(cat runs/recipe/chain.pid)" 2>/dev/null; then
+. scripts/pidfile.sh
+if pid_running runs/recipe/chain.pid run_chain; then
   echo "a chain is running already (pid $(cat runs/recipe/chain.pid), log runs/recipe/chain.log): two would train" \
     "the same stages at once; wait for it, or stop it first (kill $(cat runs/recipe/chain.pid) and its stage)" >&2
   exit 2
@@ -31,16 +32,7 @@ fi
   --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini --quiet
 # the wider set (fast_soup_linux): the same split of the three corpora plus 1,000 kernel documentation files.
 # A stage's set is the `corpus:` its config gives, or the one the config it extends gives, and so on.
-stage_corpus() {
-  local f=configs/train/recipe/$1.yaml c e
-  while [ -f "$f" ]; do
-    c=$(grep -v '^ *#' "$f" | grep -oE 'corpus: *runs/data/[A-Za-z0-9_]+' | head -1 | sed 's/^corpus: *//' || true)
-    if [ -n "$c" ]; then echo "$c"; return; fi
-    e=$(sed -n 's/^extends: *//p' "$f" | head -1)
-    [ -n "$e" ] || return 0
-    f=$(dirname "$f")/$e
-  done
-}
+. scripts/recipe_corpus.sh
 names_set() { for n in "${@:2}"; do stage_corpus "$n" | grep -qsE "^$1$" && return 0; done; return 1; }
 if names_set 'runs/data/mini_linux' "$@"; then
   [ -f runs/data/mini_linux/summary.json ] || cepe prepare-data --corpora austen acl stdlib linux-docs --seed 1 \

@@ -21,6 +21,8 @@ def _tree(tmp_path: Path) -> Path:
         "scripts/train_chain.sh",
         "scripts/fast_alloc.sh",
         "scripts/rebuild_choice.sh",
+        "scripts/recipe_corpus.sh",
+        "scripts/pidfile.sh",
         "configs/train/recipe/fast_warmup.yaml",
     ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -32,14 +34,28 @@ def _tree(tmp_path: Path) -> Path:
 
 
 def test_a_second_chain_is_refused_while_one_runs(tmp_path):
+    """A live chain (a process running ``run_chain``) refuses a second; a pid file whose pid a later boot
+    gave to another process (here the test's own) does not."""
     root = _tree(tmp_path)
-    (root / "runs/recipe/chain.pid").write_text(str(os.getpid()))  # a live process stands in for the chain
+    chain = subprocess.Popen(
+        ["bash", "-c", "run_chain() { sleep 60; }; run_chain"]
+    )  # stands in for the chain
+    try:
+        (root / "runs/recipe/chain.pid").write_text(str(chain.pid))
+        proc = subprocess.run(
+            ["bash", "scripts/train_chain.sh", "fast_warmup"], cwd=root, capture_output=True, text=True
+        )
+        assert proc.returncode == 2
+        assert f"a chain is running already (pid {chain.pid}" in proc.stderr
+        assert not (root / "runs/recipe/chain.log").exists()  # nothing started
+    finally:
+        chain.kill()
+        chain.wait()
+    (root / "runs/recipe/chain.pid").write_text(str(os.getpid()))  # alive, but no chain
     proc = subprocess.run(
         ["bash", "scripts/train_chain.sh", "fast_warmup"], cwd=root, capture_output=True, text=True
     )
-    assert proc.returncode == 2
-    assert f"a chain is running already (pid {os.getpid()}" in proc.stderr
-    assert not (root / "runs/recipe/chain.log").exists()  # nothing started
+    assert "a chain is running already" not in proc.stderr
 
 
 def test_the_rebuild_is_not_started_twice(tmp_path):
@@ -337,12 +353,14 @@ echo "cepe $*" >> "$CALLS"
 [ -z "${LD_PRELOAD:-}" ] || echo "$1 $LD_PRELOAD" >> "$CALLS.preload"
 case "$1" in
   fit-heads) mkdir -p "runs/recipe/$(basename "$3" .yaml)-fit/adapter"
-             echo '{}' > "runs/recipe/$(basename "$3" .yaml)-fit/adapter/cepe_config.json" ;;
+             echo '{}' > "runs/recipe/$(basename "$3" .yaml)-fit/adapter/cepe_config.json"
+             echo '# fit' > "runs/recipe/$(basename "$3" .yaml)-fit/fit.md" ;;
   export) mkdir -p "$5" && echo '{}' > "$5/cepe_config.json" ;;
   prepare-data) mkdir -p runs/data/mini_kernel && echo '{}' > runs/data/mini_kernel/summary.json ;;
   eval) for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
         cfg=$(basename "$out")
         if [ "$cfg" = "${FAIL_EVAL:-}" ]; then echo "error: $cfg cannot be computed" >&2; exit 1; fi
+        if [ "$cfg" = "${SIGNAL_EVAL:-}" ]; then kill -TERM $$; fi
         mkdir -p "$out"
         cp "$BASE/$cfg/"*.json "$out/"
         if [ -n "${SKEW:-}" ] && [ -n "${LD_PRELOAD:-}" ]; then  # another value under a preload
@@ -405,6 +423,24 @@ def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
         assert f"{name}: done" in log
 
 
+def test_heads_recipe_that_inherits_the_kernel_corpus_gets_it_prepared(tmp_path):
+    """``mix_fit16`` reads ``runs/data/mini_kernel`` through ``extends: mix_fit14k.yaml`` (it never names
+    it): the corpus is prepared all the same (before, only a recipe naming it did, and the chain's
+    ``heads:mix_fit16`` failed on a fresh machine), and a fit killed before its report is run again."""
+    root, _, calls = _heads_tree(tmp_path)
+    run = ["bash", "scripts/heads_and_validate.sh", "mix_fit16"]
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    made = calls.read_text().splitlines()
+    assert len([c for c in made if c.startswith("cepe prepare-data")]) == 1
+    assert (root / "runs/data/mini_kernel/summary.json").is_file()
+    (root / "runs/recipe/mix_fit16-fit/fit.md").unlink()  # killed after the adapter, before the report
+    calls.unlink()
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    assert [c.split()[1] for c in calls.read_text().splitlines()] == ["fit-heads"]
+
+
 def test_heads_and_validate_goes_on_past_a_failed_evaluation_and_logs_a_stop(tmp_path):
     """One evaluation that fails is logged and the rest run (the verdict names it as not evaluated and
     rules the replacement out); an error elsewhere stops the pipeline with a line in the log."""
@@ -424,6 +460,22 @@ def test_heads_and_validate_goes_on_past_a_failed_evaluation_and_logs_a_stop(tmp
     _wait(root / "runs/recipe/heads.pid", 120)
     tail = (root / "runs/recipe/heads.log").read_text()[len(log) :]
     assert "stopped by an error (exit 3)" in tail and "mix_fit14: done" not in tail
+
+
+def test_an_evaluation_stopped_by_a_signal_stops_the_heads_step(tmp_path):
+    """An evaluation ended by a signal (SIGTERM to a running ``cepe eval``) is not a failed evaluation to
+    go past: the step stops with the signal's status (the chain then stops, to be run again) and judges
+    nothing; run again, it evaluates what is missing."""
+    root, _, calls = _heads_tree(tmp_path, "SIGNAL_EVAL=lm_val")
+    run = ["bash", "scripts/heads_and_validate.sh", "mix_fit14"]
+    proc = subprocess.run(
+        run, cwd=root, capture_output=True, text=True, env={**os.environ, "FOREGROUND": "1"}
+    )
+    assert proc.returncode == 128 + 15
+    log = (root / "runs/recipe/heads.log").read_text()
+    assert "mix_fit14: lm_val stopped by signal 15" in log and "mix_fit14: done" not in log
+    evals = [c for c in calls.read_text().splitlines() if c.startswith("cepe eval")]
+    assert "lm_val" in evals[-1] and not (root / "results/recipe/mix_fit14/val_verdict.md").exists()
 
 
 def _heads_mix_fit14(root: Path, env: dict[str, str]) -> None:

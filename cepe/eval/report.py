@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from cepe import fileio
 from cepe.tables import pipe_table
 
 
@@ -153,10 +154,9 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
     out.mkdir(parents=True, exist_ok=True)
     task = str(result.get("task", "eval"))
     paths = {"json": str(out / f"{task}.json"), "markdown": str(out / f"{task}.md")}
-    with open(paths["json"], "w") as f:
-        json.dump(result, f, indent=2, default=str)
-    with open(paths["markdown"], "w") as f:
-        f.write(markdown_table(result))
+    # each written atomically, the JSON (what scripts take as the evaluation's being done) last
+    fileio.write_text(paths["markdown"], markdown_table(result))
+    fileio.write_text(paths["json"], json.dumps(result, indent=2, default=str))
     if x_key:
         p = plot_lines(result, x_key, out / f"{task}.png")
         if p is not None:
