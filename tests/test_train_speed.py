@@ -368,6 +368,23 @@ def test_snapshot_save_killed_between_its_renames_keeps_the_previous_one(tmp_pat
     assert read_snapshot(snap) == {"step": 6} and not (tmp_path / ".snap.old").exists()
 
 
+def test_a_stage_says_done_only_once_its_output_is_saved(tmp_path, monkeypatch):
+    """A run killed after its last step but before the stage's own output is written is not "done" (the
+    chain would skip it for good); the status says "done" last."""
+    import cepe.training.trainer as trainer
+
+    def killed(run):
+        raise KeyboardInterrupt("killed before the output")
+
+    monkeypatch.setattr(trainer, "_save_artifact", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg("warmup", tmp_path / "w", init_encoder="null", steps=2, save_every=2))
+    assert read_status(tmp_path / "w")["state"] == "running"
+    monkeypatch.undo()
+    out = train(_cfg("warmup", tmp_path / "w", init_encoder="null", steps=2, save_every=2), resume=True)
+    assert read_status(out)["state"] == "done" and (out / "final_digests.json").is_file()
+
+
 def test_status_and_profile(tmp_path, capsys):
     from cepe.training.cli import show_status
 

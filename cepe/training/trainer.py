@@ -292,6 +292,8 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
             )
         return run.out
     _save_artifact(run)
+    if run.main:  # last: a stage that says "done" (the chain skips it) has its whole output
+        write_status(run.out, run.status("done", cfg.steps))
     return run.out
 
 
@@ -810,7 +812,7 @@ def _after_step(run: _Run, signals: Signals, done: int) -> float:
     """Write the status and wait while paused (SIGUSR1 / SIGUSR2); the seconds paused."""
     if not run.main:
         return signals.wait_while_paused()
-    write_status(run.out, run.status("running" if done < run.cfg.steps else "done", done))
+    write_status(run.out, run.status("running", done))  # "done" once the stage's output is saved
 
     def on_pause() -> None:
         write_status(run.out, run.status("paused", done))
