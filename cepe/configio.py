@@ -54,9 +54,15 @@ def _read_config_file(p: Path, allow_empty: bool, chain: tuple[Path, ...]) -> di
     if p.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{p} is not valid YAML: {err}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p} is not valid JSON: {err}") from None
     if data is None and (allow_empty or chain):
         return {}
     if not isinstance(data, dict):
@@ -94,7 +100,13 @@ def parse_value(text: str) -> Any:
     """An override's value, parsed as YAML (``1e-4`` is read as a string and converted by :func:`build`)."""
     import yaml
 
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(
+            f"cannot read {text!r} as a value ({problem}); quote a string, close a list"
+        ) from None
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -190,7 +202,12 @@ def _split_optional(kind: str) -> tuple[str, bool]:
 def _coerce(kind: str, value: Any, key: str) -> Any:
     base, optional = _split_optional(kind)
     if value is None:
-        return value  # None for a non-optional field: the dataclass's own validation decides
+        plain = base in ("bool", "int", "float", "str", "list", "tuple", "dict") or base.startswith(
+            ("list[", "tuple[", "dict[")
+        )
+        if plain and not optional:  # would fail only where it is used, after the model loads
+            raise ValueError(f"{key} cannot be null: it takes a {base}")
+        return value  # other kinds: the dataclass's own validation decides
     if base == "bool":
         if not isinstance(value, bool):
             raise ValueError(f"{key} must be true or false, got {value!r}")

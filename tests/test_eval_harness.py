@@ -179,6 +179,9 @@ def test_bad_args(setup):
         harness.CepeLM(setup=setup, decoder_window=16, rolling_tokens=16)
     with pytest.raises(ValueError, match="no chat template"):
         _lm(setup).apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match=r"unknown model_args \['decoder_windw'\]"):
+        harness.CepeLM(setup=setup, decoder_windw=48)
+    harness.CepeLM(setup=setup, decoder_window=48, max_batch_size=4)  # what the harness adds: accepted
 
 
 ROOT = Path(__file__).resolve().parents[1]

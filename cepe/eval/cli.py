@@ -33,6 +33,12 @@ def load_eval_config(
     settings, method_options, run = split_task_file(apply_overrides(raw, overrides, where=where))
     if not isinstance(method_options, dict):
         raise ValueError(f"{where}: methods must map a method name to its options, got {method_options!r}")
+    from cepe.eval.registry import check_method_options
+
+    try:
+        check_method_options(method_options)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
     run_cfg = load_config(EvalRunConfig, data=run, overrides=flags, where="run")
     try:
         task_config(task, settings)

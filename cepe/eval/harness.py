@@ -63,6 +63,9 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 HARNESS_METHODS = ("cepe", "truncated", "full")
+HARNESS_EXTRA_ARGS = frozenset({"max_batch_size"})
+"""Arguments lm-evaluation-harness adds to every model's (beyond ``batch_size`` and ``device``): accepted,
+not used."""
 
 
 def _bool(v: Any) -> bool:
@@ -98,6 +101,13 @@ class CepeLM(LM):
             raise ValueError(
                 f"cepe harness model: method={method!r} is not supported; choose from {HARNESS_METHODS} "
                 "(StreamingLLM / REPLUG: `cepe eval`)"
+            )
+        unknown = sorted(set(unused) - HARNESS_EXTRA_ARGS)
+        if unknown:  # a misspelt argument would otherwise run with its default, unnoticed
+            raise ValueError(
+                f"cepe harness model: unknown model_args {unknown}; it takes model, method, decoder_window, "
+                "chunk_length, rolling_tokens, max_gen_toks, dtype, autocast, device, batch_size, tokenizer, "
+                "cepe_init"
             )
         self.method_name = method
         self.decoder_window = int(decoder_window)

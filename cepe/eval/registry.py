@@ -15,6 +15,40 @@ from cepe.eval.methods import METHODS, CepeMethod, DecoderMethod, Method
 from cepe.eval.replug import Replug
 from cepe.eval.streaming import StreamingLLM
 
+METHOD_OPTIONS: dict[str, dict[str, type]] = {
+    "cepe": {"chunk_length": int},
+    "full": {},
+    "truncated": {},
+    "streamingllm": {"sink_tokens": int, "recent_tokens": int, "stride": int},
+    "replug": {"temperature": float},
+}
+"""Each method's options (a config's ``methods:`` section) and their types."""
+
+
+def check_method_options(options: dict[str, Any]) -> None:
+    """Refuse an unknown method, an option a method does not take (a misspelt one would leave its default in
+    place, unnoticed) or a value of the wrong kind, naming it, before any model loads."""
+    for method, opts in options.items():
+        if method not in METHOD_OPTIONS:
+            raise ValueError(f"methods.{method}: unknown method; choose from {', '.join(METHOD_OPTIONS)}")
+        if opts is None:
+            continue
+        if not isinstance(opts, dict):
+            raise ValueError(f"methods.{method} must map option names to values, got {opts!r}")
+        takes = METHOD_OPTIONS[method]
+        for key, value in opts.items():
+            if key not in takes:
+                known = ", ".join(takes) or "none"
+                raise ValueError(f"methods.{method}.{key}: not an option of {method} (its options: {known})")
+            if value is None and key == "chunk_length":
+                continue
+            try:
+                takes[key](value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"methods.{method}.{key} must be a number ({takes[key].__name__}), got {value!r}"
+                ) from None
+
 
 def build_method(
     name: str,
@@ -33,6 +67,7 @@ def build_method(
             ``replug``: ``temperature``; ``cepe``: ``chunk_length``).
         common: ``eos_token_id``, ``pad_token_id``, ``autocast_dtype``, ``batch_size``.
     """
+    check_method_options({name: options})
     options = dict(options or {})
     if name == "cepe":
         if cepe_model is None:
