@@ -154,6 +154,7 @@ def test_worker_subprocess_runs_one_setting(tmp_path):
     cfg = tiny_cfg()
     cm = cost_model(build_model(cfg), cfg)
     assert row["kept_tensor_bytes"] == cm.cache_bytes("cepe", 96, bytes_per_elem=4)  # what it keeps
+    assert row["kept_bytes_model"] == row["kept_tensor_bytes"]  # the model at fp32's 4 bytes, not 2
 
 
 def test_cli_config_parsing(tmp_path):
@@ -292,3 +293,12 @@ def test_summary_of_committed_runs_is_reproduced(run):
 
     result = json.loads((Path(__file__).resolve().parents[1] / "results" / run / "bench.json").read_text())
     assert result["summary"]["targets"] and summarize(result) == result["summary"]
+
+
+def test_decode_modes_are_checked_from_a_file_or_set():
+    """--set decode_modes=[kvv] (not only the flag) is refused before anything runs."""
+    from cepe.bench.config import BenchConfig
+    from cepe.configio import load_config
+
+    with pytest.raises(ValueError, match="unknown decode_modes \\['kvv'\\]"):
+        load_config(BenchConfig, overrides=["decode_modes=[kvv]"]).validate()

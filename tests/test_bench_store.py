@@ -104,3 +104,20 @@ def test_bench_store_bf16(tmp_path, monkeypatch):
     assert "near-tie" in store_ttft.format_markdown(fp32)
     with pytest.raises(ValueError, match="dtype"):
         run_store_bench(StoreBenchConfig(model="tiny", dtype="fp16"), None)
+
+
+def test_busy_machine_is_flagged_and_bad_settings_refused():
+    """A report whose rows ran with the load average above the CPU count says its times are uncertain;
+    lengths or a chunk that no run could use are refused before any model loads."""
+    import pytest
+
+    from cepe.bench.config import StoreBenchConfig
+    from cepe.bench.store_ttft import busy_warning, run_store_bench
+
+    rows = [{"tokens": 4096, "load_avg_start": 7.0, "load_avg_end": 8.9}]
+    assert "load average 7.0-8.9 on 2 CPUs" in busy_warning({"machine": "x86_64 cpu x2", "rows": rows})
+    quiet = [{"tokens": 4096, "load_avg_start": 0.4, "load_avg_end": 1.1}]
+    assert busy_warning({"machine": "x86_64 cpu x2", "rows": quiet}) is None
+    for bad, said in (({"lengths": [0]}, "lengths must be positive"), ({"full_chunk": 0}, "full_chunk")):
+        with pytest.raises(ValueError, match=said):
+            run_store_bench(StoreBenchConfig(model="tiny", **bad))

@@ -96,3 +96,28 @@ def test_dataset_like_iterables() -> None:
 def test_dataset_by_name_without_datasets_says_how_to_install() -> None:
     with pytest.raises(ImportError, match="pip install datasets"):
         list(read_hf_dataset("some/dataset"))
+
+
+def test_directory_of_jsonl_keeps_each_records_domain(tmp_path: Path) -> None:
+    """In a directory of JSON-lines files a record's own domain is kept, as when its file is read alone;
+    the directory's name is for records without one; an explicit domain still overrides both."""
+    d = tmp_path / "mixed"
+    d.mkdir()
+    rows = [{"id": "a", "text": "one", "domain": "books"}, {"id": "b", "text": "two"}]
+    (d / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [x["domain"] for x in read_path(d / "a.jsonl")] == ["books", "a"]
+    assert [x["domain"] for x in read_path(d)] == ["books", "mixed"]
+    assert [x["domain"] for x in read_path(d, domain="web")] == ["web", "web"]
+
+
+def test_compressed_files_are_refused_not_read_as_text(tmp_path: Path) -> None:
+    """A compressed or archived file other than JSON lines is refused by name (before: one document of
+    undecodable bytes); ``*.jsonl.gz`` is read."""
+    for name in ("c4.json.gz", "x.txt.zst", "t.parquet.gz", "docs.tar"):
+        p = tmp_path / name
+        p.write_bytes(gzip.compress(b"hello"))
+        with pytest.raises(ValueError, match="is compressed or archived"):
+            list(read_path(p))
+    ok = tmp_path / "fine.jsonl.gz"
+    ok.write_bytes(gzip.compress(b'{"text": "hi"}\n'))
+    assert [x["text"] for x in read_path(ok)] == ["hi"]

@@ -85,6 +85,9 @@ class BenchConfig:
         bad = [m for m in self.methods if m not in PREFILL_METHODS]
         if bad:
             raise ValueError(f"unknown methods {bad}; choose from {', '.join(PREFILL_METHODS)}")
+        bad = [m for m in self.decode_modes if m not in CACHE_MODES]
+        if bad:
+            raise ValueError(f"unknown decode_modes {bad}; choose from {', '.join(CACHE_MODES)}")
         for name, limit in self.max_tokens.items():
             if name not in PREFILL_METHODS or isinstance(limit, bool) or not isinstance(limit, int):
                 raise ValueError(
@@ -172,3 +175,14 @@ class StoreBenchConfig:
     cache: str = field(default="states", metadata={"choices": CACHE_MODES})
     threads: int = 0
     seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field no run could use (before any model loads)."""
+        if not self.lengths or any(int(n) < 1 for n in self.lengths):
+            raise ValueError(f"lengths must be positive token counts, got {self.lengths}")
+        if self.full_chunk < 1:
+            raise ValueError(f"full_chunk must be at least 1 token, got {self.full_chunk}")
+        if self.full_max_tokens < 0:
+            raise ValueError(f"full_max_tokens must be 0 or more, got {self.full_max_tokens}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be 0 (torch's default) or more, got {self.threads}")

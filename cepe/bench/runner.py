@@ -213,7 +213,9 @@ def measure_prefill(model: torch.nn.Module, cfg: BenchConfig, method: str, total
         "flops": flops,
         "flops_per_s": flops / seconds,
         "kept_tensor_bytes": kept,
-        "kept_bytes_model": cm.cache_bytes(method, total),
+        "kept_bytes_model": cm.cache_bytes(  # at the benchmark dtype's element size (fp32: 4 bytes)
+            method, total, bytes_per_elem=torch_dtype(cfg.dtype).itemsize
+        ),
         "rss_baseline_bytes": mem.baseline,
         "peak_rss_bytes": mem.peak,
         "peak_delta_bytes": mem.peak_delta,

@@ -102,6 +102,7 @@ def run_store_bench(
 
     if cfg.dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {cfg.dtype!r}")
+    cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
@@ -228,6 +229,25 @@ def _bytes_summary(cfg: StoreBenchConfig, model, rows: list[dict[str, Any]]) -> 
     }
 
 
+def busy_warning(result: dict[str, Any], cpus: int | None = None) -> str | None:
+    """A warning line when the machine was busy while the rows were measured: the 1-minute load average
+    (recorded per row) above the CPU count the result names, so other work shared the cores and the times
+    and their ratios are uncertain; None otherwise."""
+    import re
+
+    if cpus is None:
+        m = re.search(r"cpu x(\d+)", str(result.get("machine", "")))
+        cpus = int(m.group(1)) if m else None
+    loads = [r[k] for r in result.get("rows", []) for k in ("load_avg_start", "load_avg_end") if k in r]
+    if not cpus or not loads or max(loads) <= cpus:
+        return None
+    return (
+        f"**Measured on a busy machine:** load average {min(loads):.1f}-{max(loads):.1f} on {cpus} CPUs while "
+        "these rows ran; other work shared the cores, so the times, and the ratios between them, are "
+        "uncertain. Rerun on an idle machine to rely on them."
+    )
+
+
 def format_markdown(result: dict[str, Any]) -> str:
     """The result as a markdown table (the README's figures)."""
     b = result["bytes"]
@@ -239,6 +259,9 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"store dtype {b['store_dtype']}.",
         "",
     ]
+    busy = busy_warning(result)
+    if busy:
+        lines += [busy, ""]
     head = ["context tokens", "TTFT stored (cold)", "stored (warm)", "re-encode", "full prefill"]
     head += ["re-encode / stored", "full / stored", "same first token"]
     lines += pipe_table(

@@ -85,8 +85,10 @@ def read_jsonl(
     id_field: str = "id",
     domain_field: str = "domain",
     domain: str | None = None,
+    default_domain: str | None = None,
 ) -> Iterator[Document]:
-    """Documents from a JSON-lines file (``.jsonl`` or ``.jsonl.gz``), one object per line.
+    """Documents from a JSON-lines file (``.jsonl`` or ``.jsonl.gz``), one object per line; ``domain``
+    overrides every record's, ``default_domain`` (else the file's name) is for records without one.
 
     Raises:
         ValueError: the file is missing, a line is not valid JSON, or a record lacks ``text_field``
@@ -107,7 +109,14 @@ def read_jsonl(
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
             yield _record_to_doc(
-                record, where, f"{stem}/{lineno}", text_field, id_field, domain_field, domain, stem
+                record,
+                where,
+                f"{stem}/{lineno}",
+                text_field,
+                id_field,
+                domain_field,
+                domain,
+                default_domain or stem,
             )
 
 
@@ -118,6 +127,7 @@ def read_parquet(
     domain_field: str = "domain",
     domain: str | None = None,
     batch_size: int = 1024,
+    default_domain: str | None = None,
 ) -> Iterator[Document]:
     """Documents from a parquet file, read in record batches with ``pyarrow`` (``pip install pyarrow``).
 
@@ -149,7 +159,7 @@ def read_parquet(
                 id_field,
                 domain_field,
                 domain,
-                p.stem,
+                default_domain or p.stem,
             )
             row += 1
 
@@ -231,8 +241,8 @@ def read_path(
             if f.is_file() and f.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))
         )
         if tabular:
-            for f in tabular:
-                yield from read_path(f, text_field=text_field, id_field=id_field, domain=domain or p.name)
+            for f in tabular:  # a record's own domain kept; the directory's name for those without one
+                yield from _read_tabular(f, text_field, id_field, domain, p.name)
             return
         yield from read_text(p, domain=domain)
     elif name.endswith((".jsonl", ".jsonl.gz")):
@@ -246,5 +256,28 @@ def read_path(
         yield from from_records(records, name=p.stem, text_field=text_field, id_field=id_field, domain=domain)
     elif name.endswith(".parquet"):
         yield from read_parquet(p, text_field=text_field, id_field=id_field, domain=domain)
+    elif name.endswith(_PACKED):
+        raise ValueError(
+            f"{p} is compressed or archived ({name.rsplit('.', 1)[-1]}): unpack it, or give JSON lines as "
+            "*.jsonl.gz (the one compressed form read here)"
+        )
     else:
         yield from read_text(p, domain=domain)
+
+
+_PACKED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4")
+"""File endings read_path refuses rather than read as text (``.jsonl.gz`` is read)."""
+
+
+def _read_tabular(
+    f: Path, text_field: str, id_field: str, domain: str | None, default_domain: str
+) -> Iterator[Document]:
+    """One ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet`` file of a directory."""
+    if f.name.lower().endswith(".parquet"):
+        yield from read_parquet(
+            f, text_field=text_field, id_field=id_field, domain=domain, default_domain=default_domain
+        )
+    else:
+        yield from read_jsonl(
+            f, text_field=text_field, id_field=id_field, domain=domain, default_domain=default_domain
+        )
