@@ -496,3 +496,21 @@ def test_icl_auto_scoring_does_not_depend_on_the_methods_run(monkeypatch):
     assert set(rows[1]) == set(rows[2]) == {"cepe", "truncated"}
     for n in (1, 2):
         assert rows[n]["cepe"]["metric"] == "accuracy[pmi]" and rows[n]["cepe"]["value"] == 100.0
+
+
+def test_longdoc_acl_papers_are_held_out_by_default():
+    """The ACL long-document examples keep only papers outside the training part of the training data's
+    document split (11 of aclsum's 100 test papers); ``held_out: false`` gives all of them."""
+    from cepe.data.split import SplitFractions, assign_split
+    from cepe.eval.tasks.longdoc import acl_examples
+
+    held = acl_examples("test", "challenge", "Why?", None)
+    every = acl_examples("test", "challenge", "Why?", None, held_out=False)
+    assert len(every) == 100 and 0 < len(held) < len(every)
+    fr = SplitFractions(test=0.1, retrieval=0.05)
+    docs = {e["document"] for e in held}
+    from cepe.data.corpora import acl_papers
+
+    for d in acl_papers():
+        if d["text"] in docs:
+            assert assign_split(d["id"], 1, fr) != "train"

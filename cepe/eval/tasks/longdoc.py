@@ -48,13 +48,23 @@ def read_longdoc(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def acl_examples(split: str, aspect: str, instruction: str, max_docs: int | None) -> list[dict[str, Any]]:
-    """ACL papers paired with one aspect summary (challenge / approach / outcome)."""
+def acl_examples(
+    split: str, aspect: str, instruction: str, max_docs: int | None, held_out: bool = True
+) -> list[dict[str, Any]]:
+    """ACL papers paired with one aspect summary (challenge / approach / outcome). ``split`` is the
+    summaries' own split; with ``held_out`` only papers outside the training part of the training data's
+    document split (:data:`cepe.eval.tasks.lm.HELD_OUT`) are kept, papers no shipped adapter trained on."""
     from cepe.data.corpora import acl_papers, acl_summaries
+    from cepe.data.split import SplitFractions, assign_split
+
+    from .lm import HELD_OUT
 
     summaries = {s["paper_id"]: s for s in acl_summaries(split)}
+    fractions = SplitFractions(test=HELD_OUT["test_fraction"], retrieval=HELD_OUT["retrieval_fraction"])
     out = []
     for doc in acl_papers():
+        if held_out and assign_split(doc["id"], HELD_OUT["split_seed"], fractions) == "train":
+            continue
         s = summaries.get(doc["paper_id"])
         if s and s.get(aspect):
             out.append({"document": doc["text"], "instruction": instruction, "answers": [s[aspect]]})
@@ -69,6 +79,8 @@ class Config:
 
     Attributes:
         path: JSONL file (None = ACL papers with ``aspect`` summaries of ``split``).
+        held_out: ACL papers only from outside the training part of the training data's document split
+            (about 11 of aclsum's 100 test papers; false: all of them, most of which were trained on).
         instruction: used for the ACL papers.
         decoder_window: decoder tokens incl. the instruction (paper 2048).
         max_total_tokens: cap on document + instruction tokens (None = all; paper 2K+2K, 2K+30K, all).
@@ -85,6 +97,7 @@ class Config:
 
     path: str | None = None
     split: str = "test"
+    held_out: bool = True
     aspect: str = "challenge"
     instruction: str = "In one sentence, what problem does the paper above address?"
     decoder_window: int = 2048
@@ -125,7 +138,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     if cfg.path:
         data = read_longdoc(cfg.path)
     else:
-        data = acl_examples(cfg.split, cfg.aspect, cfg.instruction, cfg.num_examples)
+        data = acl_examples(cfg.split, cfg.aspect, cfg.instruction, cfg.num_examples, cfg.held_out)
     data = limit_items(data, cfg.num_examples, setup)
     before, after = wrap_prompt(setup, cfg.chat_template)
     suffix_text = "\n\n{instr}" + (after if before else "\n" + cfg.answer_prefix)
