@@ -10,7 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 pip_q() { pip install --disable-pip-version-check -q "$@"; }
-python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+# TORCH_INDEX: an index to take torch from (e.g. https://download.pytorch.org/whl/cpu for the CPU build
+# where the default index serves PyPI's CUDA build); default: the configured index
+python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 python -c "import cepe, bm25s, rdata, pytest, fastapi, uvicorn, openai" 2>/dev/null || pip_q -e ".[all]"
 # optional extra, installed here so the tests cover the lm-evaluation-harness model
 python -c "import lm_eval" 2>/dev/null || pip_q -e ".[harness]"
