@@ -123,6 +123,19 @@ def test_generate_until(setup):
     if stop:
         cut = lm.generate_until([_inst(ctx, {"until": [stop], "max_gen_toks": 12})])[0]
         assert cut == free[: free.index(stop)]
+    # a stop string that is one token ends generation at that token (the text is the same as cutting)
+    one = next(
+        (c for c in free[1:] if len(setup.encode(c)) == 1 and setup.decode(setup.encode(c)) == c), None
+    )
+    if one:
+        made = []  # the tokens each generation made
+        real = lm.method.generate
+        lm.method.generate = lambda req, **kw: made.append(real(req, **kw)) or made[-1]
+        try:
+            cut = lm.generate_until([_inst(ctx, {"until": [one], "max_gen_toks": 12})])[0]
+        finally:
+            del lm.method.generate
+        assert cut == free[: free.index(one)] and setup.decode(made[0]) == cut and len(made[0]) < 12
     ids = setup.encode(ctx)
     req = harness.window_request("cepe", ids, 48, 0, 64)
     req.max_new_tokens = 12

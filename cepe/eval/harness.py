@@ -217,6 +217,14 @@ class CepeLM(LM):
             out.append(float(sum(float(lp.sum()) for lp in self.method.score(reqs))) if reqs else 0.0)
         return out
 
+    def _one_token(self, text: str) -> int | None:
+        """The id of the one token ``text`` encodes to, or None (cached per string)."""
+        cache = self.__dict__.setdefault("_one_token_ids", {})
+        if text not in cache:
+            ids = self.setup.encode(text)
+            cache[text] = ids[0] if len(ids) == 1 and self.setup.decode(ids) == text else None
+        return cache[text]
+
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
         out = []
         for inst in requests:
@@ -229,6 +237,8 @@ class CepeLM(LM):
             w = min(self.decoder_window, len(ids))
             req = window_request(self.method_name, ids, w, 0, self.chunk_length)
             req.max_new_tokens = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            # a stop string that is one token ends generation there (the text is cut at it below anyway)
+            req.stop_ids = tuple(single for s in until if s and (single := self._one_token(s)) is not None)
             text = self.setup.decode(self.method.generate(req))
             for stop in until:
                 if stop and stop in text:
