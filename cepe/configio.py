@@ -158,7 +158,9 @@ def build(cls: type[C], data: Any, where: str = "config") -> C:
     ]
     if missing:
         raise ValueError(f"{where} is missing required keys {missing}")
-    data = {k: _value(fields[k], v, f"{where}.{k}") for k, v in data.items()}
+    data = {
+        k: _value(fields[k], v, f"{where}.{k}") for k, v in data.items() if not _null_default(fields[k], v)
+    }
     try:
         return cls(**data)
     except TypeError as err:
@@ -197,6 +199,13 @@ def _split_optional(kind: str) -> tuple[str, bool]:
     if len(rest) == 1:
         return rest[0], optional
     return kind, optional  # a union of several types: unchecked
+
+
+def _null_default(f: Any, value: Any) -> bool:
+    """Null for a field that cannot be None but has a default: the default (the key is dropped)."""
+    if value is not None or _split_optional(str(f.type))[1]:
+        return False
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
 
 
 def _coerce(kind: str, value: Any, key: str) -> Any:

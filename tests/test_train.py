@@ -249,7 +249,7 @@ def test_offline_teacher_reads_the_students_shuffled_windows(tmp_path):
         probs, idx = store.get(i)
         assert torch.equal(idx[:, :3], j[:, :3].long())
         torch.testing.assert_close(probs.float(), p.float(), atol=2e-3, rtol=1e-2)
-    with pytest.raises(ValueError, match="context_drop is a CEPE-stage option"):
+    with pytest.raises(ValueError, match="context_drop needs the cepe stage or the online teacher"):
         _cfg("ceped", tmp_path / "x", context_drop=0.3)
 
 

@@ -463,9 +463,9 @@ class TrainConfig:
                 "align_coef (attention supervision) needs the copy warmup stage or a mixed CEPE stage (tasks)",
             )
         _check(
-            self.context_drop == 0 or self.stage == "cepe",
-            f"context_drop is a CEPE-stage option (stage {self.stage!r}): the ceped stage's offline teacher "
-            "reads every chunk, so a student that drops some would be taught another context",
+            self.context_drop == 0 or self.stage == "cepe" or self.online_teacher,
+            f"context_drop needs the cepe stage or the online teacher (stage {self.stage!r}): the offline "
+            "teacher read every chunk, so a student that drops some would be taught another context",
         )
         if self.tasks is not None:
             self._validate_tasks()
