@@ -189,17 +189,15 @@ def test_resume_refuses_other_config(tmp_path):
         train(_cfg("mlm", tmp_path / "m", steps=2, save_every=1, **{"optim.lr": 0.5}), resume=True)
 
 
-def test_ceped_teacher_and_training(tmp_path):
-    cfg = _cfg(
-        "ceped",
-        tmp_path / "d",
-        init_adapter="null",
-        teacher_dir=tmp_path / "t",
-        steps=16,
-        batch_size=4,
-        teacher_examples_per_shard=16,
-        **{"optim.lr": 5e-3},
+def _ceped_cfg(tmp_path: Path, **over):
+    """The tiny CEPED stage from scratch, its offline teacher in ``tmp_path / "t"``, 4 examples a step."""
+    return _cfg(
+        "ceped", tmp_path / "d", init_adapter="null", teacher_dir=tmp_path / "t", batch_size=4, **over
     )
+
+
+def test_ceped_teacher_and_training(tmp_path):
+    cfg = _ceped_cfg(tmp_path, steps=16, teacher_examples_per_shard=16, **{"optim.lr": 5e-3})
     run_teacher(cfg, progress=False)
     store = TeacherStore(cfg)
     probs, idx = store.get(5)
@@ -227,15 +225,7 @@ def test_offline_teacher_reads_the_students_shuffled_windows(tmp_path):
     from cepe.training.losses import teacher_topk
     from cepe.training.models import build_decoder
 
-    cfg = _cfg(
-        "ceped",
-        tmp_path / "d",
-        init_adapter="null",
-        teacher_dir=tmp_path / "t",
-        batch_size=4,
-        teacher_examples_per_shard=8,
-        **{"data.shuffle": 1.0, "chunk_noise": 0.0},
-    )
+    cfg = _ceped_cfg(tmp_path, teacher_examples_per_shard=8, **{"data.shuffle": 1.0, "chunk_noise": 0.0})
     run_teacher(cfg, progress=False, num_examples=8)
     store, dec, src = TeacherStore(cfg), build_decoder(cfg), window_source(cfg, 128)
     m = cfg.n_chunks * cfg.chunk_length
