@@ -102,6 +102,7 @@ class CepeLM(LM):
                 f"cepe harness model: method={method!r} is not supported; choose from {HARNESS_METHODS} "
                 "(StreamingLLM / REPLUG: `cepe eval`)"
             )
+        self._one_token_ids: dict[str, int | None] = {}  # stop string -> its one token (generate_until)
         unknown = sorted(set(unused) - HARNESS_EXTRA_ARGS)
         if unknown:  # a misspelt argument would otherwise run with its default, unnoticed
             raise ValueError(
@@ -219,7 +220,7 @@ class CepeLM(LM):
 
     def _one_token(self, text: str) -> int | None:
         """The id of the one token ``text`` encodes to, or None (cached per string)."""
-        cache = self.__dict__.setdefault("_one_token_ids", {})
+        cache = self._one_token_ids
         if text not in cache:
             ids = self.setup.encode(text)
             cache[text] = ids[0] if len(ids) == 1 and self.setup.decode(ids) == text else None
