@@ -787,15 +787,19 @@ class CrossAttention(nn.Module):
         v = self.v_proj(states).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
         return k.transpose(1, 2), v
 
-    def forward(self, hidden: torch.Tensor, ctx: CrossContext, past: int = 0) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, ctx: CrossContext, past: int = 0, pad: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``hidden`` ``(B, T, D_dec)`` (residual stream after self-attention) -> update ``(B, T, D_dec)``.
 
         ``past``: decoder tokens already in the self-attention cache (an incremental call continues a
-        sequence from there: the induction gates then carry on from the previous call).
+        sequence from there: the induction gates then carry on from the previous call). ``pad``: ``(B, T)``
+        bool, True on padding columns (a left-padded batch), whose queries count as no previous token for
+        the next (induction gates, run biases); None: every column is a token.
         """
         if ctx.base is not None:  # the output mixture's doubled batch: only the first rows read
             n = int(ctx.reads)
-            upd = self.forward(hidden[:n], ctx.base, past)  # (n, T, D_dec)
+            upd = self.forward(hidden[:n], ctx.base, past, None if pad is None else pad[:n])  # (n, T, D_dec)
             return torch.cat([upd, upd.new_zeros((hidden.shape[0] - n, *upd.shape[1:]))])
         b, t, _ = hidden.shape
         normed = self.layernorm(hidden)
@@ -843,7 +847,7 @@ class CrossAttention(nn.Module):
             if self.match_gate is not None:  # over the real keys too
                 match = self.match_stats(q, k[:, :, int(nulled) :], key_mask, ctx)
             if self.induction_gate is not None or self.run_bias is not None:  # (B, H, T) each
-                induction, succ = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past, match)
+                induction, succ = self.read_stats(q, k[:, :, int(nulled) :], key_mask, ctx, past, match, pad)
             if nulled:  # the cache holds it already; the mask gains its column
                 if key_mask is not None:
                     key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], 1), key_mask], dim=1)
@@ -983,6 +987,7 @@ class CrossAttention(nn.Module):
         ctx: CrossContext,
         past: int,
         match: torch.Tensor | None = None,
+        pad: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Where the heads read (no gradient): ``ι̂`` ``(B, H, T)`` (:func:`induction_stats_ref`; None without
         induction gates) and ``j⁺`` ``(B, H, T)`` long, the real key after the one each head's previous query
@@ -991,7 +996,8 @@ class CrossAttention(nn.Module):
         at the end of the previous call, when that call ended at ``past``; without autograd the end of this
         call is kept for the next (``CrossContext.read_state``). ``match``: the match statistics of the
         same queries, whose ``m + log n`` is the logsumexp the statistic needs (unclamped below
-        :data:`MATCH_LOGIT_BOUND`)."""
+        :data:`MATCH_LOGIT_BOUND`). ``pad`` ``(B, T)``: padding columns, whose queries read nowhere (the
+        next query has no previous token), so that a left-padded row reads as it does alone."""
         prev = None
         state = ctx.read_state.get(self.layer_idx)
         if past > 0 and state is not None and state[1] == past and state[0].shape[0] == q.shape[0]:
@@ -1010,6 +1016,8 @@ class CrossAttention(nn.Module):
                     lse = match[..., 0] + log_n
                 best, own = best_keys(q, k, key_mask, self.scale, need_lse=want_feat and lse is None)
                 lse = own if lse is None else lse.float()
+            if pad is not None:
+                best = best.masked_fill(pad[:, None, :], -1)
             feat = _induction_feature(q, k, key_mask, self.scale, lse, best, prev) if want_feat else None
             succ = None if self.run_bias is None else successor_keys(best, prev, key_mask, k.shape[2])[1]
             return feat, succ, best[..., -1]

@@ -793,7 +793,10 @@ class CepeForCausalLM(nn.Module):
         match = None  # (B, T, K) the suffix-match inputs (mix_match), for this call's start (slot.past)
         copy = None  # (B, T) where each position's copy lies (mix_copy)
         if self.cepe_config.mix_match:
-            match, copy = self._slot.get(2 * n).suffix_inputs(input_ids, self._slot.past)
+            ids = input_ids
+            if attention_mask is not None and attention_mask.dim() == 2:  # padding columns match nothing
+                ids = input_ids.masked_fill(attention_mask[:, -input_ids.shape[1] :] == 0, -1)
+            match, copy = self._slot.get(2 * n).suffix_inputs(ids, self._slot.past)
         loss = None
         if labels is not None:
             shift = labels[:, 1:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .cross_attention import CrossAttention, CrossContext
@@ -98,6 +99,16 @@ class ContextSlot:
         self.repeats: tuple[int, ...] = (1,)
         self._expanded: dict[int, CrossContext] = {}
         self.past = 0  # decoder tokens already cached when the running decoder call began
+        self.decoder_mask: torch.Tensor | None = None  # the running call's 2-D decoder padding mask
+
+    def query_pad(self, rows: int, t: int) -> torch.Tensor | None:
+        """``(rows, t)`` bool, True on the running call's padding columns (its last ``t`` mask columns: a
+        left-padded batch in generation), or None when it has none or no 2-D mask of that shape."""
+        mask = self.decoder_mask
+        if mask is None or mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] < t:
+            return None
+        pad = mask[:, -t:] == 0
+        return pad if bool(pad.any()) else None
 
     def contexts(self) -> list[CrossContext]:
         """The context and its repeated copies made so far."""
@@ -197,7 +208,8 @@ class PastTap:
     """Forward pre-hook on the decoder's base model: records on ``slot`` how many decoder tokens its
     self-attention cache already holds (``get_seq_length()`` of its ``cache``, ``past_key_values`` before
     transformers 5.2x; 0 without one), so that cross-attention can tell a call that continues a sequence
-    (generation) from a fresh one."""
+    (generation) from a fresh one, and the call's 2-D ``attention_mask`` (else None), so that what a row
+    reads across positions skips its padding columns."""
 
     def __init__(self, slot: ContextSlot) -> None:
         self.slot = slot
@@ -206,6 +218,8 @@ class PastTap:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         length = getattr(cache, "get_seq_length", None)
         self.slot.past = int(length()) if callable(length) else 0
+        mask = kwargs.get("attention_mask")
+        self.slot.decoder_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
 class ResidualTap:
@@ -235,6 +249,7 @@ class CrossAdd:
             return None  # no context: the layer is exactly the decoder's
         if residual is None:
             raise RuntimeError("cepe: the residual stream was not recorded before cross-attention")
-        update = cross(residual + branch, ctx, past=self.slot.past)
+        pad = self.slot.query_pad(branch.shape[0], branch.shape[1])
+        update = cross(residual + branch, ctx, past=self.slot.past, pad=pad)
         branch = branch + update
         return (branch, *output[1:]) if is_tuple else branch

@@ -206,6 +206,61 @@ def check_beam_scores(model: CepeForCausalLM) -> None:
     torch.testing.assert_close(out.sequences_scores, want, rtol=1e-4, atol=1e-4)
 
 
+def check_left_padded_generation(
+    model: CepeForCausalLM,
+    ids: torch.Tensor | None = None,
+    enc_ids: torch.Tensor | None = None,
+    pad_id: int = 1,
+    pads: int = 3,
+) -> None:
+    """Prompts of different lengths generated in one left-padded batch give each row what it gives alone
+    (the same tokens, the same scores at every step): the padding columns enter nothing a row reads (where
+    its heads read last, the output mixture's suffix matches); a forward over the padded batch (positions
+    counted from each row's first token) gives each row's logits. ``ids`` ``(2, T)``: the first row is
+    generated whole, the second without its first ``pads`` tokens (``pad_id`` columns in the batch);
+    ``enc_ids`` ``(2, K, L)``: other tokens than the random ones (pad ids among them, so that a pad column
+    could match)."""
+    ids = ids_of(t=8) if ids is None else ids
+    enc_ids = random_context(2, 3)[0] if enc_ids is None else enc_ids
+    enc_mask = torch.ones_like(enc_ids).bool()
+    batch = ids.clone()
+    batch[1, :pads] = pad_id
+    attn = torch.ones_like(batch)
+    attn[1, :pads] = 0
+    ctx_kw = dict(encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
+    with torch.no_grad():
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        logits = model(batch, attention_mask=attn, position_ids=pos, **ctx_kw).logits
+        for row, start in ((0, 0), (1, pads)):
+            alone = model(
+                ids[row : row + 1, start:], **{k: v[row : row + 1] for k, v in ctx_kw.items()}
+            ).logits
+            torch.testing.assert_close(logits[row, start:], alone[0], rtol=1e-4, atol=1e-4)
+    kw = dict(
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=pad_id,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    out = model.generate(
+        batch, attention_mask=attn, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, **kw
+    )
+    for row, prompt in ((0, ids[0:1]), (1, ids[1:2, pads:])):
+        alone = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            encoder_input_ids=enc_ids[row : row + 1],
+            encoder_attention_mask=enc_mask[row : row + 1],
+            **kw,
+        )
+        assert out.sequences[row, ids.shape[1] :].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
+        got = torch.stack([s[row] for s in out.scores])
+        want = torch.stack([s[0] for s in alone.scores])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def check_checkpointing_gradients(make_model) -> dict[str, torch.Tensor]:
     """The loss and every gradient of a fresh ``make_model()`` with and without gradient checkpointing
     agree (statistics computed without gradient are reused in the recomputation); returns the gradients."""

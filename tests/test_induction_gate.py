@@ -14,6 +14,7 @@ from conftest import (
     check_checkpointing_gradients,
     check_enabling_keeps_the_function,
     check_incremental_calls,
+    check_left_padded_generation,
     check_read_state_options,
     check_saved_option,
     heads_scaled,
@@ -223,3 +224,8 @@ def test_probe_separations():
     noise = [(torch.randn(20, 40, generator=g), torch.randn(20, 40, generator=g)) for _ in range(6)]
     fit, test = probe.held_out(noise)
     assert fit > test + 0.2 and abs(test - 0.5) < 0.2
+
+
+def test_left_padded_batch_generates_each_row_as_alone():
+    """A pad column's query is no previous token: the first real token of a left-padded row starts no run."""
+    check_left_padded_generation(_model(spread=6.0))

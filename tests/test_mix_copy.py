@@ -10,7 +10,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check_beam_scores, check_incremental_calls, tiny_cepe_config, tiny_decoder
+from conftest import (
+    check_beam_scores,
+    check_incremental_calls,
+    check_left_padded_generation,
+    tiny_cepe_config,
+    tiny_decoder,
+)
 from test_output_mix import _both_sides, _few_tokens, _matched, _padded_case
 
 from cepe import CepeForCausalLM
@@ -547,3 +553,17 @@ def test_dropping_the_mixture_leaves_the_adapter_it_was_trained_over(tmp_path):
     with torch.no_grad():
         again = back(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
     torch.testing.assert_close(again, lc, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_batch_generates_each_row_as_alone():
+    """Pad columns match nothing: the pad id 3 followed by the row's first token (1) occurs in the
+    context, and is not a suffix of the row."""
+    ids, enc_ids = _few_tokens((2, 8), 4), _few_tokens((2, 3, 8), 5)
+    assert ids[1, 3] == 1 and "3 1" in " ".join(map(str, enc_ids[1].flatten().tolist()))
+    check_left_padded_generation(_copying(agree=True), ids, enc_ids, pad_id=3)
+    check_left_padded_generation(
+        _copying(prob=True, near=True, sure=True, decay=0.5, top=True, read=True, count=True),
+        ids,
+        enc_ids,
+        pad_id=3,
+    )

@@ -382,3 +382,10 @@ def test_gguf_decoder_is_recorded_and_reloads(tmp_path):
     ids = torch.randint(0, 1000, (1, 7))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_left_padded_batch_generates_each_row_as_alone(tiny_model):
+    """The plain model: left padding changes no row (the read-state options check the same)."""
+    from conftest import check_left_padded_generation
+
+    check_left_padded_generation(tiny_model)

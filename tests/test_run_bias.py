@@ -14,6 +14,7 @@ from conftest import (
     check_checkpointing_gradients,
     check_enabling_keeps_the_function,
     check_incremental_calls,
+    check_left_padded_generation,
     check_read_state_options,
     check_saved_option,
     random_context,
@@ -149,3 +150,7 @@ def test_checkpointing_save_and_load(tmp_path):
     plain = check_checkpointing_gradients(lambda: _model(null_key=True))
     assert any(".run_bias" in n and (g != 0).any() for n, g in plain.items())
     check_saved_option(_model(), "run_bias", tmp_path / "a")
+
+
+def test_left_padded_batch_generates_each_row_as_alone():
+    check_left_padded_generation(_model(spread=4.0))
