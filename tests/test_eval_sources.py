@@ -73,3 +73,23 @@ def test_corpus_sources_download_only_when_asked(monkeypatch):
     with open(Path(__file__).parents[1] / "configs/eval/fixedppl_val_short_kernel.yaml") as f:
         sources = yaml.safe_load(f)["sources"]
     assert sources and all(s.get("download") is True for s in sources)
+
+
+@pytest.mark.parametrize("split", ["test", "retrieval"])
+def test_held_out_split_drops_copies_of_training_documents(split):
+    """A text under two ids, one drawn into training and one held out, is not held out (whitespace aside);
+    the training split keeps every document it draws."""
+    fr = SplitFractions(test=0.3, retrieval=0.3)
+    ids = [f"d{i}" for i in range(60)]
+    sides = {i: assign_split(i, 0, fr) for i in ids}
+    trained = next(i for i in ids if sides[i] == "train")
+    copy = next(i for i in ids if sides[i] == split)
+    docs = [{"id": i, "text": f"text {i}"} for i in ids]
+    docs[ids.index(copy)]["text"] = f"  text\n\n {trained}\t"  # the trained text laid out otherwise
+    assert " ".join(docs[ids.index(copy)]["text"].split()) == f"text {trained}"
+    spec = {"documents": docs, "split_seed": 0, "test_fraction": 0.3, "retrieval_fraction": 0.3}
+    got = [d["id"] for d in iter_source({**spec, "split": split})]
+    assert got == [i for i in ids if sides[i] == split and i != copy]
+    assert [d["id"] for d in iter_source({**spec, "split": "train"})] == [
+        i for i in ids if sides[i] == "train"
+    ]

@@ -98,6 +98,28 @@ def test_ralm(setup, tmp_path):
     _check(r, tmp_path, "ppl")
 
 
+def test_ralm_retrieves_no_copy_of_a_test_document(setup):
+    """A retrieval-split document whose text is a test document's (another id, other whitespace) is not a
+    passage: it would hand the test sequence its own continuation."""
+    from cepe.data.split import SplitFractions, assign_split
+    from cepe.eval.tasks import ralm
+
+    docs = _docs(24)
+    fr = SplitFractions(test=0.3, retrieval=0.7)
+    sides = [assign_split(d["id"], 1, fr) for d in docs]
+    test_doc = next(d for d, s in zip(docs, sides) if s == "test")
+    copy_at = next(i for i, s in enumerate(sides) if s == "retrieval")
+    cfg = ralm.Config(
+        sources=[{"name": "toy", "documents": docs}], test_fraction=0.3, retrieval_fraction=0.7, seq_length=16
+    )
+    _, passages = ralm._documents(setup, cfg)
+    docs[copy_at] = {**docs[copy_at], "text": "\n".join(test_doc["text"].split(" "))}
+    _, without = ralm._documents(setup, cfg)
+    copied = setup.encode(docs[copy_at]["text"])[: cfg.passage_tokens]
+    assert copied not in without and setup.encode(test_doc["text"])[: cfg.passage_tokens] not in without
+    assert len(without) < len(passages)
+
+
 def test_qa(setup, tmp_path):
     cfg = {
         "synthetic": {"source": {"documents": _docs(6)}, "num_questions": 2, "passage_words": 15},

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from cepe.eval.common import EvalSetup, iter_source, limit_items, run_examples
+from cepe.eval.common import EvalSetup, iter_source, limit_items, run_examples, text_key
 from cepe.eval.methods import Request
 from cepe.eval.retrieval import build_retriever
 
@@ -58,13 +58,15 @@ class Config:
 
 def _documents(setup: EvalSetup, cfg: Config) -> tuple[dict[str, list[list[int]]], list[list[int]]]:
     """``(test documents of at least seq_length tokens by domain, retrieval passages)``, as token ids: the
-    passages are the retrieval split of ``sources`` cut into ``passage_tokens`` (or, when given, every
-    document of ``retrieval_sources``)."""
+    passages are the retrieval split of ``sources`` cut into ``passage_tokens``, less any document whose
+    text (up to whitespace) is a test document's (or, when given, every document of ``retrieval_sources``)."""
     from cepe.data.split import SplitFractions, assign_split
 
     fr = SplitFractions(test=cfg.test_fraction, retrieval=cfg.retrieval_fraction)
     tests: dict[str, list[list[int]]] = {}
     passages: list[list[int]] = []
+    tested: set[bytes] = set()  # test texts: a retrieval document that repeats one would hand it its answer
+    kept: list[tuple[bytes, str]] = []
     for src in cfg.sources:
         for doc in iter_source({"max_documents": cfg.max_documents, **src}):
             split = assign_split(doc["id"], cfg.split_seed, fr)
@@ -72,9 +74,13 @@ def _documents(setup: EvalSetup, cfg: Config) -> tuple[dict[str, list[list[int]]
                 ids = setup.encode(doc["text"])
                 if len(ids) >= cfg.seq_length:
                     tests.setdefault(doc["domain"], []).append(ids)
+                    tested.add(text_key(doc["text"]))
             elif split == "retrieval" and cfg.retrieval_sources is None:
-                ids = setup.encode(doc["text"])
-                passages += [ids[i : i + cfg.passage_tokens] for i in range(0, len(ids), cfg.passage_tokens)]
+                kept.append((text_key(doc["text"]), doc["text"]))
+    for key, text in kept:
+        if key not in tested:
+            ids = setup.encode(text)
+            passages += [ids[i : i + cfg.passage_tokens] for i in range(0, len(ids), cfg.passage_tokens)]
     for src in cfg.retrieval_sources or []:
         for doc in iter_source(src):
             ids = setup.encode(doc["text"])
