@@ -42,7 +42,10 @@ class BenchConfig:
             (preallocated for the context plus the new tokens, written in place; what ``generate(...,
             cache_implementation="static")`` uses) or ``"dynamic"`` (grows by concatenation each step, so a
             step copies the whole cache).
-        repeats: timed prefills per setting (the best is reported).
+        repeats: timed prefills per setting (the best is reported). The untimed warm-up before them is
+            one shorter prefill (``window + 2·chunk`` tokens, for kernels and thread pools), so with 1 the
+            timed prefill is the first at its length: it includes the first touch of its buffers' pages,
+            as a single real request does; 2 or more report a call at a length already run.
         compile: wrap the encoder layers and cross-attention blocks in ``torch.compile``.
         threads: torch intra-op threads (0 = torch's default).
         seed: seed of the random weights and token ids.
