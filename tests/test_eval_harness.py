@@ -165,9 +165,11 @@ def test_local_tasks_and_cli(setup, tmp_path, monkeypatch):
     scores = lm.loglikelihood([_inst(t + "\nTopic:", " " + c) for t, _ in mc for c in ("alpha", "beta")])
     acc = sum(int(scores[2 * i][0] < scores[2 * i + 1][0]) == y for i, (_, y) in enumerate(mc)) / len(mc)
     assert res["cepe_mc"]["acc,none"] == pytest.approx(acc)
-    # the command line in this process: cepe-lm-eval --model cepe ... (harness.main)
+    # the command line in this process: cepe-lm-eval --model cepe ... (harness_cli.main)
+    from cepe.eval.harness_cli import main as harness_main
+
     out = tmp_path / "out"
-    harness.main(
+    harness_main(
         [
             "--model",
             "cepe",
@@ -212,7 +214,7 @@ def test_entry_point_names_the_registered_class():
     value = project["entry-points"]["lm_eval.models"]["cepe"]
     assert value == f"{harness.CepeLM.__module__}:{harness.CepeLM.__name__}"
     assert md.EntryPoint(name="cepe", value=value, group="lm_eval.models").load() is harness.CepeLM
-    assert project["scripts"]["cepe-lm-eval"] == "cepe.eval.harness:main"
+    assert project["scripts"]["cepe-lm-eval"] == "cepe.eval.harness_cli:main"
 
 
 def _lm_eval_reads_entry_points() -> bool:
@@ -250,7 +252,7 @@ def test_command_line_matches_cepe_eval_lm(script, tmp_path):
         paths.insert(0, str(info.parent))
     exe = bindir / script
     # without the installed script, what it runs (an editable install made before the script existed)
-    entry = "lm_eval.__main__:cli_evaluate" if script == "lm_eval" else "cepe.eval.harness:main"
+    entry = "lm_eval.__main__:cli_evaluate" if script == "lm_eval" else "cepe.eval.harness_cli:main"
     mod, fn = entry.split(":")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", f"import sys, {mod}; sys.exit({mod}.{fn}())"]
     harness.write_local_tasks(tmp_path / "tasks", DOCS, [(DOCS[0][:80], 0)], ["alpha", "beta"])

@@ -134,3 +134,24 @@ def test_cli_help_imports_no_torch():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"train", "eval", "bench", "bench-store", "serve", "main", "generate"} <= set(res["commands"])
     assert res["heavy"] == []
+
+
+_CHECK_HARNESS_HELP = """
+import contextlib, io, json, sys
+from cepe.eval.harness_cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    main(["--help"])
+heavy = sorted(m for m in ("torch", "transformers", "cepe.eval.harness") if m in sys.modules)
+print(json.dumps({"help": "--model" in out.getvalue(), "heavy": heavy}))
+"""
+
+
+@pytest.mark.multiproc
+def test_harness_command_line_help_imports_no_torch():
+    """``cepe-lm-eval --help`` prints lm-eval's help without importing torch or the model."""
+    pytest.importorskip("lm_eval")
+    out = subprocess.run(
+        [sys.executable, "-c", _CHECK_HARNESS_HELP], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"help": True, "heavy": []}

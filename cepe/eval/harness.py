@@ -5,7 +5,7 @@ Importing this module registers the model with lm-evaluation-harness's registry
 ``lm_eval.models`` entry point (``cepe = cepe.eval.harness:CepeLM``, pyproject.toml), the group through
 which lm-eval's command line discovers installed models, so where the installed lm-eval reads that group
 ``lm_eval --model cepe ...`` works as it is. lm-eval 0.4.13's ``lm_eval`` script reads no plugins; there
-the same command line with ``cepe`` registered is the console script ``cepe-lm-eval`` (:func:`main`), or
+the same command line with ``cepe`` registered is the console script ``cepe-lm-eval`` (:func:`cepe.eval.harness_cli.main`), or
 ``lm_eval.simple_evaluate(model="cepe", ...)`` after ``import cepe.eval.harness``::
 
     cepe-lm-eval --model cepe \\
@@ -43,7 +43,6 @@ Shape legend: T tokens.
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -333,24 +332,3 @@ def write_bundled_tasks(
     step = max(1, len(arts) // num_mc)
     mc = [(" ".join(d["text"].split()), labels.index(d["label"])) for d in arts[::step][:num_mc]]
     return write_local_tasks(out_dir, ppl, mc, labels)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``cepe-lm-eval [lm_eval args]`` (or ``python -m cepe.eval.harness``): the ``lm_eval`` command line
-    with ``cepe`` registered; ``cepe-lm-eval write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]`` writes the
-    bundled local tasks (:func:`write_bundled_tasks`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["write-tasks"]:
-        if len(argv) not in (2, 5):
-            raise SystemExit("usage: cepe-lm-eval write-tasks DIR [NUM_PPL PPL_CHARS NUM_MC]")
-        sizes = [int(x) for x in argv[2:]]
-        print(json.dumps(write_bundled_tasks(argv[1], *sizes), indent=2))
-        return
-    from lm_eval.__main__ import cli_evaluate
-
-    sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()
