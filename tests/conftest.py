@@ -259,6 +259,16 @@ def check_left_padded_generation(
         got = torch.stack([s[row] for s in out.scores])
         want = torch.stack([s[0] for s in alone.scores])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    beams = dict(kw, num_beams=3, num_return_sequences=2, output_scores=False, return_dict_in_generate=False)
+    out = model.generate(batch, attention_mask=attn, **ctx_kw, **beams)  # (2 rows x 2 beams, T + new)
+    for row, prompt in ((0, ids[0:1]), (1, ids[1:2, pads:])):
+        alone = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            **{k: v[row : row + 1] for k, v in ctx_kw.items()},
+            **beams,
+        )
+        assert out[2 * row : 2 * row + 2, ids.shape[1] :].tolist() == alone[:, prompt.shape[1] :].tolist()
 
 
 def check_checkpointing_gradients(make_model) -> dict[str, torch.Tensor]:
