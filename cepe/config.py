@@ -258,6 +258,11 @@ class CepeConfig:
             vote), so that a longer context adds far-back votes without drowning the successor just read.
             It changes the copy distribution, not a head's inputs: a head fitted with one decay is fitted
             for that decay.
+        mix_hash: how the suffix matches hash token k-grams (``cepe.mixture.HASH_MODES``): ``"exact"``
+            finds every suffix that occurs; ``"wrap"`` is the hash of adapters saved before that fix, which
+            misses about half the occurring suffixes of 4+ tokens, and such an adapter's heads were fitted
+            on those inputs. A saved config with a mixture's suffix matches and no ``mix_hash`` loads as
+            ``"wrap"``, so that it computes the function it was saved with.
     """
 
     encoder: EncoderConfig
@@ -300,6 +305,7 @@ class CepeConfig:
     mix_copy_read: bool = False
     mix_copy_count: bool = False
     mix_copy_decay: float = 0.0
+    mix_hash: str = "exact"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -395,6 +401,10 @@ class CepeConfig:
             f"vote the same), got {self.mix_copy_decay}",
         )
         check(
+            self.mix_hash in ("exact", "wrap"),
+            f"mix_hash must be 'exact' or 'wrap' (the hash of adapters saved before its fix), got {self.mix_hash!r}",
+        )
+        check(
             self.mix_copy_decay == 0 or self.mix_copy,
             "mix_copy_decay weighs the copy's votes: set mix_copy (and mix_match, output_mix) too, or "
             "mix_copy_decay: 0",
@@ -451,6 +461,8 @@ class CepeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         check(not unknown, f"unknown CepeConfig keys {unknown}; known keys are {sorted(known)}")
+        if "mix_hash" not in data and data.get("output_mix") and data.get("mix_match"):
+            data = {**data, "mix_hash": "wrap"}  # saved before the hash fix: keep its function
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

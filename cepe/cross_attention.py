@@ -61,6 +61,8 @@ class CrossContext:
         match_near: its copy head reads how far back each match lies (``CepeConfig.mix_copy_near``).
         match_decay: the copy's votes weighed by how far back each stands (``CepeConfig.mix_copy_decay``;
             0: each one vote).
+        match_wrap: the suffixes hashed as adapters saved before the hash fix hash them
+            (``CepeConfig.mix_hash`` ``"wrap"``; ``cepe.mixture.HASH_MODES``).
         mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
             decoder tokens seen by then, so that the next incremental call's suffixes continue the
             sequence; kept only without autograd.
@@ -94,6 +96,7 @@ class CrossContext:
     match_copy: bool = False
     match_near: bool = False
     match_decay: float = 0.0
+    match_wrap: bool = False
     mix_tail: tuple[torch.Tensor, int] | None = None
     grams: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
         default=None, repr=False, compare=False
@@ -150,7 +153,7 @@ class CrossContext:
         if self.successors is None or len(self.successors.keys) < n:  # one table: grams and copies
             ids = self.match_ids[:n]
             self.successors = context_successors(
-                ids, ids >= 0, k, recency=self.match_near, decay=self.match_decay
+                ids, ids >= 0, k, recency=self.match_near, decay=self.match_decay, wrap=self.match_wrap
             )
             self.grams = grams_of(self.successors)
         tail = None
@@ -161,7 +164,7 @@ class CrossContext:
             and self.mix_tail[0].shape[0] == n
         ):
             tail = self.mix_tail[0]
-        hashes = suffix_hashes(input_ids, k, tail)  # per order (n, T)
+        hashes = suffix_hashes(input_ids, k, tail, self.match_wrap)  # per order (n, T)
         agree = suffix_agreement(input_ids, self.grams[:n], tail, hashes)  # (n, T, K)
         spans = None
         if self.match_copy:
@@ -206,6 +209,7 @@ class CrossContext:
                 match_copy=self.match_copy,
                 match_near=self.match_near,
                 match_decay=self.match_decay,
+                match_wrap=self.match_wrap,
                 reads=b,
                 base=self,
             )
@@ -243,6 +247,7 @@ class CrossContext:
             match_copy=self.match_copy,
             match_near=self.match_near,
             match_decay=self.match_decay,
+            match_wrap=self.match_wrap,
         )
 
 

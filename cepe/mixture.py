@@ -174,19 +174,28 @@ def mix_nll(logp_ctx: torch.Tensor, logp_dec: torch.Tensor, a: torch.Tensor) -> 
 # tokens, S context tokens, K match orders, M the context's (gram, successor) pairs.
 
 Grams = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per example, per order: (hashes, successor counts)
-_HASH_BASE = 1_000_003  # k-gram hash: sum of (id + 1)·base^(k-1-m), wrapping in int64
+_HASH_BASE = 1_000_003  # k-gram hash: sum of (id + 1)·base^(k-1-m) modulo 2^63
+_HASH_MASK = (1 << 63) - 1
+HASH_MODES = ("exact", "wrap")
+"""``CepeConfig.mix_hash``: ``"exact"`` keeps every gram's hash non-negative (modulo 2^63), so that -1
+marks only a gram with a missing token; ``"wrap"`` is the hash of adapters saved before that fix: computed
+modulo 2^64 in int64, about half the grams of 4+ tokens of a large vocabulary hash negative, and the
+decoder's such suffixes then match nothing (their heads were fitted that way)."""
 
 
-def _gram_hashes(ids: torch.Tensor, k: int) -> torch.Tensor:
+def _gram_hashes(ids: torch.Tensor, k: int, wrap: bool = False) -> torch.Tensor:
     """Hashes ``(..., N - k + 1)`` of the k-grams of ``ids`` ``(..., N)`` (ids ≥ 0; a gram with a negative
-    id, a missing token, hashes to -1)."""
+    id, a missing token, hashes to -1; every other gram to a number ≥ 0, unless ``wrap``: see
+    :data:`HASH_MODES`)."""
     n = ids.shape[-1] - k + 1
     h = torch.zeros((*ids.shape[:-1], max(n, 0)), dtype=torch.long, device=ids.device)
     bad = torch.zeros_like(h, dtype=torch.bool)
     for m in range(k):
         part = ids[..., m : m + n]
-        h = h * _HASH_BASE + (part + 1)
+        h = h * _HASH_BASE + (part + 1)  # int64 arithmetic wraps modulo 2^64
         bad |= part < 0
+    if not wrap:
+        h = h & _HASH_MASK  # modulo 2^63: non-negative
     return h.masked_fill(bad, -1)
 
 
@@ -235,12 +244,18 @@ def context_token_ids(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
 
 
 def context_successors(
-    ids: torch.Tensor, mask: torch.Tensor | None, order: int, recency: bool = False, decay: float = 0.0
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    order: int,
+    recency: bool = False,
+    decay: float = 0.0,
+    wrap: bool = False,
 ) -> Successors:
     """:class:`Successors` of the context ``ids`` ``(B, K, L)`` (or ``(B, S)``, read in order as one text;
     ``mask`` True on real tokens, None: all real) for suffix lengths 1..``order``; with ``recency`` also
     :attr:`Successors.back` (for ``CepeConfig.mix_copy_near``; about a third more time), with ``decay`` > 0
-    each vote's :attr:`Successors.weight` (``CepeConfig.mix_copy_decay``)."""
+    each vote's :attr:`Successors.weight` (``CepeConfig.mix_copy_decay``); ``wrap``: the hashes of
+    :data:`HASH_MODES`' ``"wrap"``."""
     if not math.isfinite(decay) or decay < 0:
         raise ValueError(
             f"the copy's vote decay is a finite number ≥ 0 (0: every vote the same), got {decay}"
@@ -252,7 +267,7 @@ def context_successors(
         row = flat[b] if keep is None else flat[b][keep[b]]
         per_k, begin = [], []
         for k in range(1, order + 1):
-            h = _gram_hashes(row[:-1], k)  # (S - k,): the gram at i, followed by row[i + k]
+            h = _gram_hashes(row[:-1], k, wrap)  # (S - k,): the gram at i, followed by row[i + k]
             nxt = row[k:]
             by = torch.argsort(nxt, stable=True)  # by token, then (stably) by hash: (hash, token) order
             by = by[torch.argsort(h[by], stable=True)]
@@ -324,15 +339,17 @@ def context_grams(ids: torch.Tensor, mask: torch.Tensor | None, order: int) -> G
     return grams_of(context_successors(ids, mask, order))
 
 
-def suffix_hashes(dec_ids: torch.Tensor, order: int, tail: torch.Tensor | None = None) -> list[torch.Tensor]:
+def suffix_hashes(
+    dec_ids: torch.Tensor, order: int, tail: torch.Tensor | None = None, wrap: bool = False
+) -> list[torch.Tensor]:
     """Per k = 1..``order``, the hashes ``(B, T)`` of the decoder's k tokens ending at each position of
     ``dec_ids`` ``(B, T)`` (the earliest from ``tail`` ``(B, order - 1)`` where ``t < k - 1``; -1 there
-    when ``tail`` is None or unknown: such a suffix matches nothing)."""
+    when ``tail`` is None or unknown: such a suffix matches nothing); ``wrap``: see :data:`HASH_MODES`."""
     b = dec_ids.shape[0]
     if tail is None:
         tail = dec_ids.new_full((b, max(order - 1, 0)), -1)
     ext = torch.cat([tail, dec_ids], dim=1)  # (B, K - 1 + T)
-    return [_gram_hashes(ext[:, order - k :], k) for k in range(1, order + 1)]
+    return [_gram_hashes(ext[:, order - k :], k, wrap) for k in range(1, order + 1)]
 
 
 def suffix_agreement(

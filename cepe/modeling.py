@@ -676,6 +676,7 @@ class CepeForCausalLM(nn.Module):
             match_decay=float(self.cepe_config.mix_copy_decay)
             if order and self.cepe_config.mix_copy
             else 0.0,
+            match_wrap=self.cepe_config.mix_hash == "wrap",
         )
 
     @contextlib.contextmanager

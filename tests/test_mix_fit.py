@@ -131,3 +131,64 @@ def test_a_fitted_head_gives_the_reader_the_tokens_it_gets_right():
     nll = mix_nll(lp_ctx, lp_dec, a).mean()
     assert nll < 0.8 * min(-lp_ctx.mean(), -lp_dec.mean())
     assert torch.sigmoid(a[hit]).min() > 0.9 and torch.sigmoid(a[~hit]).max() < 0.1
+
+
+def _copied_passage(vocab: int = 150_000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context of 400 ids of a large vocabulary ``(1, 400)`` and decoder ids ``(1, 60)`` copied from it:
+    suffixes of every length up to 8 occur."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, vocab, (1, 400), generator=g)
+    return ctx[:, 150:210].clone(), ctx
+
+
+def test_long_suffixes_of_a_large_vocabulary_are_found():
+    """Grams of 4+ ids of a large vocabulary overflow int64: the exact hash (modulo 2^63) finds every
+    occurring suffix, as the brute-force reference does; the hash of adapters saved before the fix
+    (``wrap``) missed some and still does (their heads were fitted so)."""
+    from cepe.mixture import _gram_hashes, context_successors, copy_probs_ref, copy_spans, suffix_hashes
+
+    dec, ctx = _copied_passage()
+    want = suffix_matches_ref(dec[0].tolist(), ctx[0].tolist(), 8)
+    got = suffix_match_features(dec, context_grams(ctx, None, 8))
+    torch.testing.assert_close(got[0], want)
+    assert all((h[h != -1] >= 0).all() for h in suffix_hashes(dec, 8))
+    assert (_gram_hashes(ctx, 8) >= 0).all() and (_gram_hashes(ctx, 8, wrap=True) < 0).any()
+    table = context_successors(ctx, None, 8, wrap=True)
+    old = copy_spans(dec, table, hashes=suffix_hashes(dec, 8, wrap=True))
+    assert (old.has[0] == want[:, 0].bool()).all()  # order 1 never wraps: the same positions copy
+    spans = copy_spans(dec, context_successors(ctx, None, 8))
+    vocab = int(max(ctx.max(), dec.max())) + 1
+    torch.testing.assert_close(
+        spans.probs(vocab)[0], copy_probs_ref(dec[0].tolist(), ctx[0].tolist(), 8, vocab)
+    )
+
+
+def test_a_mixture_saved_before_the_hash_fix_keeps_its_hash():
+    """A saved config with suffix matches and no ``mix_hash`` loads as ``wrap``; new configs and those that
+    say so are ``exact``; the shipped adapter says ``wrap``; a model's suffix inputs follow its config."""
+    import json
+    from pathlib import Path
+
+    import pytest
+
+    from cepe.config import CepeConfig
+
+    base = tiny_cepe_config(output_mix=True, mix_match=8, mix_hidden=False).to_dict()
+    assert base["mix_hash"] == "exact"
+    old = {k: v for k, v in base.items() if k != "mix_hash"}
+    assert CepeConfig.from_dict(old).mix_hash == "wrap"
+    assert CepeConfig.from_dict(base).mix_hash == "exact"
+    plain = {k: v for k, v in tiny_cepe_config().to_dict().items() if k != "mix_hash"}
+    assert CepeConfig.from_dict(plain).mix_hash == "exact"  # no mixture: nothing to keep
+    with pytest.raises(ValueError, match="mix_hash must be"):
+        CepeConfig.from_dict({**base, "mix_hash": "fast"})
+    shipped = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-cepe" / "cepe_config.json"
+    assert json.loads(shipped.read_text())["mix_hash"] == "wrap"
+    dec, ctx = _copied_passage(vocab=90)  # within the tiny vocabulary: grams of 5+ ids still wrap
+    want = suffix_matches_ref(dec[0].tolist(), ctx[0].tolist(), 8)
+    for mode in ("exact", "wrap"):
+        model = CepeForCausalLM.from_decoder(tiny_decoder(), CepeConfig.from_dict({**base, "mix_hash": mode}))
+        with torch.no_grad():
+            cc = model.prepare_context(ctx.view(1, 5, 80))
+            feats = cc.suffix_features(dec, 0)[0, :, :8]
+        assert torch.equal(feats, want) == (mode == "exact")

@@ -273,14 +273,15 @@ def step_batches(cfg: TrainConfig, make: Any, step: int) -> Iterator[dict[str, t
 
 
 def copy_target_probs(
-    batch: dict[str, torch.Tensor], order: int, decay: float
+    batch: dict[str, torch.Tensor], order: int, decay: float, wrap: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The copy's probability of each scored target ``(N,)`` fp32 of one collated batch and the largest
     share one token has of its votes ``(N,)`` (the ``mix_copy_top`` input), in the order of
     :func:`record_batch` (None where it records nothing: no context), with the votes weighed by ``decay``
     (``CepeConfig.mix_copy_decay``) and suffixes up to ``order`` tokens: from the token ids alone, so
-    records made with one decay can be fitted with another."""
-    from cepe.mixture import context_successors, context_token_ids, copy_spans
+    records made with one decay can be fitted with another; ``wrap``: the adapter's ``mix_hash`` is
+    ``"wrap"``."""
+    from cepe.mixture import context_successors, context_token_ids, copy_spans, suffix_hashes
 
     if batch.get("encoder_input_ids") is None:
         return None
@@ -289,7 +290,8 @@ def copy_target_probs(
         return None
     labels = batch["labels"]
     sel = labels[:, 1:] != -100  # (B, T-1)
-    spans = copy_spans(batch["input_ids"], context_successors(ids, ids >= 0, order, decay=decay))
+    table = context_successors(ids, ids >= 0, order, decay=decay, wrap=wrap)
+    spans = copy_spans(batch["input_ids"], table, hashes=suffix_hashes(batch["input_ids"], order, wrap=wrap))
     cp = spans[:, :-1][sel]
     return cp.target_probs(labels[:, 1:][sel]), cp.top_share()
 
@@ -306,7 +308,7 @@ def recopy(cfg: TrainConfig, model: nn.Module, steps: int, decay: float) -> tupl
         got
         for step in range(steps)
         for batch in step_batches(cfg, make, step)
-        if (got := copy_target_probs(batch, order, decay)) is not None
+        if (got := copy_target_probs(batch, order, decay, model.cepe_config.mix_hash == "wrap")) is not None
     ]
     return torch.cat([p for p, _ in parts]), torch.cat([t for _, t in parts])
 

@@ -147,6 +147,9 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             )
             if "mix_length_cap" in cfg.cepe:  # the heads' length input capped (or not: None)
                 model.set_mix_length_cap(cfg.cepe["mix_length_cap"])
+        if "mix_hash" in cfg.cepe:  # how the suffix matches hash (an adapter's own unless given)
+            model.cepe_config.mix_hash = str(cfg.cepe["mix_hash"])
+            model.cepe_config.validate()
         if cfg.cepe.get("mix_copy"):  # the copy after the longest matched suffix, and its head
             model.enable_output_copy(*(bool(cfg.cepe.get(k, False)) for k in COPY_HEAD_INPUTS))
             if "mix_copy_decay" in cfg.cepe:  # the copy's votes weighed by how far back they stand
