@@ -5,8 +5,10 @@ scales ``s (R,)`` with ``W ≈ q · s`` (symmetric absmax: ``s = max|W_r| / 127`
 at most ``s_r / 2``). ``int8-g64`` (per group): a scale for each group of 64 consecutive columns of a row,
 ``s (R, C / 64)``, so one large weight no longer coarsens its whole row; the scales add 4 bytes per 64
 values (about 6 % over per row). A weight whose columns do not split into groups of 64 keeps per-row
-scales. 1-D weights (norms) stay fp32. Loading dequantizes back to the model's dtype: the model then
-computes with exactly the dequantized weights, which is what any result obtained from such a file used.
+scales. 1-D weights (norms) and 2-D tensors of fewer than :data:`MIN_COLUMNS` columns (per-head
+statistics and weights such as a match gate's standardisation ``(H, 4)``, whose columns differ by orders of
+magnitude and would share one scale) stay fp32. Loading dequantizes back to the model's dtype: the model
+then computes with exactly the dequantized weights, which is what any result obtained from such a file used.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ GROUP_SCALE_SUFFIX = ".int8_group_scale"
 QUANT_METADATA = "int8-rowwise"
 GROUP_QUANT_METADATA = "int8-groupwise"
 GROUP_SIZE = 64
+MIN_COLUMNS = 32  # narrower 2-D tensors are stored in fp32: they are small and their columns unlike
 QUANT_MODES = {"int8": QUANT_METADATA, "int8-g64": GROUP_QUANT_METADATA}  # export choice -> file metadata
 
 
 def quantize_int8_rowwise(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Quantize the 2-D tensors of ``state`` with a scale per row (see module docstring); others are
-    stored in fp32."""
+    """Quantize the 2-D tensors of ``state`` of at least :data:`MIN_COLUMNS` columns with a scale per row
+    (see module docstring); others are stored in fp32."""
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         w = w.detach().float()
-        if w.dim() != 2:
+        if w.dim() != 2 or w.shape[1] < MIN_COLUMNS:
             out[name] = w.contiguous()
             continue
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (R,)
@@ -40,7 +43,8 @@ def quantize_int8_groupwise(
     state: dict[str, torch.Tensor], group: int = GROUP_SIZE
 ) -> dict[str, torch.Tensor]:
     """Quantize the 2-D tensors of ``state`` with a scale per ``group`` consecutive columns of each row
-    (per row where the columns do not split into such groups); others are stored in fp32."""
+    (per row where the columns do not split into such groups; none under :data:`MIN_COLUMNS` columns);
+    others are stored in fp32."""
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
     out: dict[str, torch.Tensor] = {}

@@ -258,3 +258,32 @@ def test_int8_group_storage(tmp_path):
     want = dequantize_int8(quantize_int8_groupwise(model.adapter_state_dict()))
     for k, v in loaded.adapter_state_dict().items():
         assert torch.equal(v, want[k].to(v.dtype)), k
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-g64"])
+def test_int8_storage_keeps_narrow_tensors_exact(tmp_path, mode):
+    """A match gate's standardisation ``(H, 4)`` (μ_m, σ_m, μ_κ, σ_κ), whose columns differ by orders of
+    magnitude, is stored in fp32: one int8 scale per row would round σ_κ to 0 and the logits to NaN."""
+    from cepe.quant import MIN_COLUMNS
+
+    dec_dir = tmp_path / "decoder"
+    tiny_decoder().save_pretrained(dec_dir)
+    model = CepeForCausalLM.from_decoder(str(dec_dir), tiny_cepe_config(match_gate=True)).eval()
+    randomize_cross(model)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.match_norm.copy_(torch.tensor([5.0, 1.0, 0.3, 0.015]).repeat(m.num_heads, 1))
+            m.match_gate.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+    model.save_pretrained(tmp_path / "q", quantize=mode)
+    raw = load_file(tmp_path / "q" / ADAPTER_WEIGHTS)
+    narrow = [k for k, v in model.adapter_state_dict().items() if v.dim() == 2 and v.shape[1] < MIN_COLUMNS]
+    assert any(k.endswith("match_norm") for k in narrow)
+    assert all(raw[k].dtype == torch.float32 for k in narrow)
+    loaded = CepeForCausalLM.from_pretrained(tmp_path / "q").eval()
+    for k in narrow:
+        assert torch.equal(loaded.adapter_state_dict()[k].float(), model.adapter_state_dict()[k].float()), k
+    ids = torch.randint(0, VOCAB, (1, 9))
+    enc_ids, enc_mask = random_context(1, 3)
+    with torch.no_grad():
+        logits = loaded(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert torch.isfinite(logits).all()
