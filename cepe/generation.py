@@ -88,11 +88,15 @@ def generate_from_context(
         prompt_ids = dec_ctx + tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not len(prompt_ids):
         raise ValueError("the prompt is empty (no tokens): give a question or an instruction")
-    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     enc_kwargs = {}
     if ctx_ids:
         chunks, mask = chunk_ids(ctx_ids, model.cepe_config.chunk_length, pad_id=tokenizer.pad_token_id or 0)
-        enc_kwargs = {"encoder_input_ids": chunks[None], "encoder_attention_mask": mask[None]}
+        enc_kwargs = {
+            "encoder_input_ids": chunks[None].to(device),
+            "encoder_attention_mask": mask[None].to(device),
+        }
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),

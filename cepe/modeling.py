@@ -787,7 +787,7 @@ class CepeForCausalLM(nn.Module):
         kw = dict(kwargs)
         if kw.get("position_ids") is not None and kw["position_ids"].shape[0] == n:  # else (1, T): shared
             kw["position_ids"] = torch.cat([kw["position_ids"]] * 2)
-        mask = None if attention_mask is None else torch.cat([attention_mask] * 2)
+        mask = _doubled_mask(attention_mask)
         out = self.decoder.get_decoder()(input_ids=torch.cat([input_ids] * 2), attention_mask=mask, **kw)
         hidden = out.last_hidden_state  # (2B, T, D)
         h_ctx, h_dec = hidden[:n], hidden[n:]
@@ -795,8 +795,9 @@ class CepeForCausalLM(nn.Module):
         copy = None  # (B, T) where each position's copy lies (mix_copy)
         if self.cepe_config.mix_match:
             ids = input_ids
-            if attention_mask is not None and attention_mask.dim() == 2:  # padding columns match nothing
-                ids = input_ids.masked_fill(attention_mask[:, -input_ids.shape[1] :] == 0, -1)
+            pad = self._slot.query_pad(2 * n, input_ids.shape[1])  # this call's padding columns
+            if pad is not None:  # match nothing
+                ids = input_ids.masked_fill(pad[:n], -1)
             match, copy = self._slot.get(2 * n).suffix_inputs(ids, self._slot.past)
         loss = None
         if labels is not None:
@@ -1006,10 +1007,28 @@ class CepeForCausalLM(nn.Module):
             self.use_context(install, repeats),
             self._follow_beams(ctx is not None and beams > 1, mixed),
             self._mixed_generation(mixed),
+            self._left_padding(attention_mask if ctx is not None else None, mixed),
         ):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs
             )
+
+    @contextlib.contextmanager
+    def _left_padding(self, attention_mask: torch.Tensor | None, doubled: bool) -> Iterator[None]:
+        """For one ``generate`` call, each prompt row's left padding (the leading zeros of its 2-D
+        ``attention_mask``) on the context slot: cross-attention then skips those positions in what a row
+        reads across positions whatever mask the decoder builds (``ContextSlot.query_pad``)."""
+        lead = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            lead = (attention_mask.cumsum(-1) == 0).sum(-1)  # (B,)
+            if not bool(lead.any()):
+                lead = None
+        prev = (self._slot.lead_pad, self._slot.lead_doubled)
+        self._slot.lead_pad, self._slot.lead_doubled = lead, doubled
+        try:
+            yield
+        finally:
+            self._slot.lead_pad, self._slot.lead_doubled = prev
 
     @contextlib.contextmanager
     def _mixed_generation(self, on: bool) -> Iterator[None]:
@@ -1342,3 +1361,16 @@ def pack_keys(
     states = torch.gather(states, 1, order[..., None].expand(-1, -1, states.shape[-1]))
     mask = torch.gather(mask, 1, order)
     return states, mask
+
+
+def _doubled_mask(mask: Any) -> Any:
+    """The decoder's attention mask for the output mixture's doubled batch (each row twice, the reading
+    rows first): a tensor concatenated with itself on the batch dimension, a dict of masks (families with
+    sliding-window layers under a static cache) each so, anything else as it is."""
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        return {k: _doubled_mask(v) for k, v in mask.items()}
+    if isinstance(mask, torch.Tensor):  # a 4-D mask of batch 1 broadcasts over both copies as it is
+        return mask if mask.dim() > 2 and mask.shape[0] == 1 else torch.cat([mask] * 2)
+    return mask

@@ -100,10 +100,22 @@ class ContextSlot:
         self._expanded: dict[int, CrossContext] = {}
         self.past = 0  # decoder tokens already cached when the running decoder call began
         self.decoder_mask: torch.Tensor | None = None  # the running call's 2-D decoder padding mask
+        self.lead_pad: torch.Tensor | None = None  # (B,) a generate call's left padding per prompt row
+        self.lead_doubled = False  # its decoder batch holds each row twice (the output mixture)
 
     def query_pad(self, rows: int, t: int) -> torch.Tensor | None:
-        """``(rows, t)`` bool, True on the running call's padding columns (its last ``t`` mask columns: a
-        left-padded batch in generation), or None when it has none or no 2-D mask of that shape."""
+        """``(rows, t)`` bool, True on the running call's padding columns, or None when it has none: in a
+        ``generate`` call, the positions before each row's first prompt token (:attr:`lead_pad`, rows
+        repeated for beams and samples, twice with the output mixture), whatever form the decoder's own
+        mask takes (a static cache's is 4-D); else the last ``t`` columns of a 2-D mask of ``rows`` rows."""
+        if self.lead_pad is not None:
+            lead = self.lead_pad
+            copies = 2 if self.lead_doubled else 1
+            if rows % (copies * lead.shape[0]) == 0:
+                lead = lead.repeat_interleave(rows // (copies * lead.shape[0])).repeat(copies)
+                pos = self.past + torch.arange(t, device=lead.device)
+                pad = pos[None, :] < lead[:, None]
+                return pad if bool(pad.any()) else None
         mask = self.decoder_mask
         if mask is None or mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] < t:
             return None

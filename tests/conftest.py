@@ -212,6 +212,7 @@ def check_left_padded_generation(
     enc_ids: torch.Tensor | None = None,
     pad_id: int = 1,
     pads: int = 3,
+    cache: str | None = None,
 ) -> None:
     """Prompts of different lengths generated in one left-padded batch give each row what it gives alone
     (the same tokens, the same scores at every step): the padding columns enter nothing a row reads (where
@@ -219,7 +220,8 @@ def check_left_padded_generation(
     counted from each row's first token) gives each row's logits. ``ids`` ``(2, T)``: the first row is
     generated whole, the second without its first ``pads`` tokens (``pad_id`` columns in the batch);
     ``enc_ids`` ``(2, K, L)``: other tokens than the random ones (pad ids among them, so that a pad column
-    could match)."""
+    could match). ``cache``: generate's ``cache_implementation`` (``"static"``: the decoder builds a 4-D
+    mask, and the padding is known from the prompt's mask alone)."""
     ids = ids_of(t=8) if ids is None else ids
     enc_ids = random_context(2, 3)[0] if enc_ids is None else enc_ids
     enc_mask = torch.ones_like(enc_ids).bool()
@@ -243,6 +245,7 @@ def check_left_padded_generation(
         eos_token_id=None,
         output_scores=True,
         return_dict_in_generate=True,
+        **({} if cache is None else {"cache_implementation": cache}),
     )
     out = model.generate(
         batch, attention_mask=attn, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask, **kw

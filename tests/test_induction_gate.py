@@ -229,3 +229,4 @@ def test_probe_separations():
 def test_left_padded_batch_generates_each_row_as_alone():
     """A pad column's query is no previous token: the first real token of a left-padded row starts no run."""
     check_left_padded_generation(_model(spread=6.0))
+    check_left_padded_generation(_model(spread=6.0), cache="static")

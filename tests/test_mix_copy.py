@@ -561,6 +561,9 @@ def test_left_padded_batch_generates_each_row_as_alone():
     ids, enc_ids = _few_tokens((2, 8), 4), _few_tokens((2, 3, 8), 5)
     assert ids[1, 3] == 1 and "3 1" in " ".join(map(str, enc_ids[1].flatten().tolist()))
     check_left_padded_generation(_copying(agree=True), ids, enc_ids, pad_id=3)
+    # one real token (4) after 7 pads: the pad id and it form a suffix that occurs, read at generation
+    assert "3 4" in " ".join(map(str, enc_ids[1].flatten().tolist())) and ids[1, 7] == 4
+    check_left_padded_generation(_copying(agree=True), ids, enc_ids, pad_id=3, pads=7, cache="static")
     check_left_padded_generation(
         _copying(prob=True, near=True, sure=True, decay=0.5, top=True, read=True, count=True),
         ids,

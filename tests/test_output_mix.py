@@ -495,3 +495,17 @@ def test_a_head_widened_with_zero_weights_computes_the_same_bits():
             assert torch.equal(wide(xw), head(x))
         torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
         assert head(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "llama"])
+def test_static_cache_generates_as_the_default_cache(family):
+    """Under a static cache the decoder's mask is 4-D, or a dict of masks for families with sliding-window
+    layers: the mixture doubles each, and generates the default cache's tokens."""
+    model = CepeForCausalLM.from_decoder(tiny_decoder(family), tiny_cepe_config(output_mix=True)).eval()
+    randomize_cross(model)
+    with torch.no_grad():
+        model.mix_head.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
+    ids, enc_ids = ids_of(t=8), random_context(2, 3)[0]
+    kw = dict(encoder_input_ids=enc_ids, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    want = model.generate(ids, **kw)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kw), want)

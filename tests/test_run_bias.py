@@ -154,3 +154,4 @@ def test_checkpointing_save_and_load(tmp_path):
 
 def test_left_padded_batch_generates_each_row_as_alone():
     check_left_padded_generation(_model(spread=4.0))
+    check_left_padded_generation(_model(spread=4.0), cache="static")
