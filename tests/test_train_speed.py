@@ -380,6 +380,9 @@ def test_a_stage_says_done_only_once_its_output_is_saved(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(_cfg("warmup", tmp_path / "w", init_encoder="null", steps=2, save_every=2))
     assert read_status(tmp_path / "w")["state"] == "running"
+    with pytest.raises(KeyboardInterrupt):  # killed again after resuming at the last step: still not done
+        train(_cfg("warmup", tmp_path / "w", init_encoder="null", steps=2, save_every=2), resume=True)
+    assert read_status(tmp_path / "w")["state"] == "running"
     monkeypatch.undo()
     out = train(_cfg("warmup", tmp_path / "w", init_encoder="null", steps=2, save_every=2), resume=True)
     assert read_status(out)["state"] == "done" and (out / "final_digests.json").is_file()

@@ -238,7 +238,7 @@ def train(cfg: TrainConfig, resume: bool = False, allow_dtype_change: bool = Fal
     last_save = time.monotonic()
     timed: list[float] = []
     if run.main:
-        write_status(run.out, run.status("running" if run.start < cfg.steps else "done", run.start))
+        write_status(run.out, run.status("running", run.start))  # "done" only once the output is saved
     end = cfg.stop_step
     try:
         for step in range(run.start, end):
