@@ -243,6 +243,47 @@ def test_offline_teacher_reads_the_students_shuffled_windows(tmp_path):
         _cfg("ceped", tmp_path / "x", context_drop=0.3)
 
 
+def test_offline_teacher_checks_its_shards_corpus_and_vocabulary(tmp_path, monkeypatch):
+    """Training refuses a teacher pass with a shard missing among the examples it reads (a pass stopped
+    early: the manifest counts them already) and one made over another corpus in the same directory
+    (its index.json differs; a manifest written before digests is not compared); the pass refuses a
+    teacher of another vocabulary; synthetic data beyond the decoder's vocabulary is refused."""
+    import json
+
+    import cepe.training.models as models
+    from cepe.training.teacher import MANIFEST, _check_and_write_manifest
+
+    cfg = _ceped_cfg(tmp_path, steps=2, teacher_examples_per_shard=4)
+    run_teacher(cfg, progress=False)
+    (tmp_path / "t" / "shard_000001.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"lacks 1 shard\(s\) .*shard_000001"):
+        train(cfg)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "index.json").write_text('{"shards": 1}')
+    ccfg = _cfg("ceped", tmp_path / "d2", init_adapter="null", teacher_dir=tmp_path / "t2")
+    ccfg.data.synthetic, ccfg.data.corpus = None, str(corpus)  # the manifest alone: no corpus is read
+    (tmp_path / "t2").mkdir()
+    _check_and_write_manifest(ccfg, tmp_path / "t2", 8, write=True)
+    TeacherStore(ccfg)  # the same corpus
+    (corpus / "index.json").write_text('{"shards": 2}')  # prepared again into the same directory
+    with pytest.raises(ValueError, match="data_digest"):
+        TeacherStore(ccfg)
+    manifest = tmp_path / "t2" / MANIFEST
+    old = json.loads(manifest.read_text())
+    del old["data_digest"]
+    manifest.write_text(json.dumps(old))
+    TeacherStore(ccfg)  # written before digests were recorded
+    wide = models.build_decoder(cfg)
+    wide.resize_token_embeddings(wide.config.vocab_size + 64)
+    monkeypatch.setattr(models, "build_decoder", lambda *a, **k: wide)
+    with pytest.raises(ValueError, match="must share the student's tokenizer"):
+        run_teacher(_ceped_cfg(tmp_path / "v", steps=2), progress=False)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="data.synthetic_vocab is 1000"):
+        train(_cfg("warmup", tmp_path / "s", init_encoder="null", steps=1, **{"data.synthetic_vocab": 1000}))
+
+
 def test_ceped_needs_teacher(tmp_path):
     cfg = _cfg("ceped", tmp_path / "d", init_adapter="null", teacher_dir=tmp_path / "none", steps=2)
     with pytest.raises(ValueError, match="cepe teacher"):

@@ -64,6 +64,11 @@ def window_source(cfg: TrainConfig, vocab_size: int) -> Any:
     """
     d = cfg.data
     if d.synthetic is not None:
+        if d.synthetic_vocab and int(d.synthetic_vocab) > vocab_size:
+            raise ValueError(
+                f"data.synthetic_vocab is {d.synthetic_vocab} but the decoder has a {vocab_size}-token "
+                f"vocabulary: give at most {vocab_size} (or none: the decoder's)"
+            )
         return SyntheticWindows(d.synthetic, d.synthetic_vocab or vocab_size, cfg.window_length, d.seed)
     from cepe.data.sequences import SequenceMixture
     from cepe.data.tokenized import TokenizedCorpus

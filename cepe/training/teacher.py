@@ -42,7 +42,33 @@ def teacher_manifest(cfg: TrainConfig, num_examples: int) -> dict[str, Any]:
         "examples_per_shard": cfg.teacher_examples_per_shard,
         "num_examples": int(num_examples),
         "data": cfg.to_dict()["data"],
+        "data_digest": corpus_digest(cfg),
     }
+
+
+def corpus_digest(cfg: TrainConfig) -> str | None:
+    """SHA-256 (first 16 hex digits) of the training corpus's ``index.json`` (its shards, sizes and
+    tokenizer: a corpus prepared again into the same directory gets another), None for synthetic data."""
+    if cfg.data.synthetic is not None or not cfg.data.corpus:
+        return None
+    import hashlib
+
+    from cepe.data.tokenized import INDEX_FILE
+
+    path = Path(cfg.data.corpus) / INDEX_FILE
+    if not path.is_file():
+        return None  # TokenizedCorpus says what is wrong with the directory
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _differs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The manifest keys whose values differ (``num_examples`` aside; a ``data_digest`` that the older
+    manifest lacks is not compared: written before digests were recorded)."""
+    return sorted(
+        k
+        for k in new
+        if k != "num_examples" and not (k == "data_digest" and k not in old) and old.get(k) != new[k]
+    )
 
 
 def _shard_path(root: Path, j: int) -> Path:
@@ -108,7 +134,7 @@ def _check_and_write_manifest(cfg: TrainConfig, root: Path, total: int, write: b
     mpath = root / MANIFEST
     if mpath.is_file():
         old = json.loads(mpath.read_text())
-        diff = sorted(k for k in manifest if k != "num_examples" and old.get(k) != manifest[k])
+        diff = _differs(old, manifest)
         if diff:
             raise ValueError(
                 f"{root} holds teacher outputs of another configuration (differs in {diff}); use a new "
@@ -121,9 +147,16 @@ def _check_and_write_manifest(cfg: TrainConfig, root: Path, total: int, write: b
 
 def _load_teacher(cfg: TrainConfig, dev: torch.device) -> torch.nn.Module:
     """The teacher decoder on ``dev``; refuses one with fewer positions than the window."""
-    from .models import build_decoder
+    from .models import build_decoder, decoder_vocab_size
 
     teacher = build_decoder(cfg, cfg.teacher_decoder).to(dev)
+    vocab, own = int(teacher.config.vocab_size), decoder_vocab_size(cfg)
+    if vocab != own:
+        raise ValueError(
+            f"teacher_decoder {cfg.teacher_decoder} has a {vocab}-token vocabulary but the student's decoder "
+            f"has {own}: the teacher's top-k token ids index the student's logits, so it must share the "
+            "student's tokenizer"
+        )
     limit = getattr(teacher.config, "max_position_embeddings", None)
     if limit is not None and cfg.window_length > int(limit):
         raise ValueError(
@@ -174,7 +207,7 @@ class TeacherStore:
             )
         self.manifest = json.loads(mpath.read_text())
         want = teacher_manifest(cfg, 0)
-        diff = sorted(k for k in want if k != "num_examples" and self.manifest.get(k) != want[k])
+        diff = _differs(self.manifest, want)
         if diff:
             raise ValueError(
                 f"teacher outputs in {self.root} were computed for another configuration (differs in {diff}); "
@@ -183,6 +216,15 @@ class TeacherStore:
         self.per = int(self.manifest["examples_per_shard"])
         self.num_examples = int(self.manifest["num_examples"])
         self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def missing_shards(self, count: int) -> list[str]:
+        """The shard files of the first ``count`` examples that are not (yet) in the directory: a teacher
+        pass stopped early, or one of several processes still running."""
+        return [
+            _shard_path(self.root, j).name
+            for j in range(-(-int(count) // self.per))
+            if not _shard_path(self.root, j).is_file()
+        ]
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(probs (n-1, k) fp16, indices (n-1, k) int64)`` of global example ``index``."""

@@ -599,6 +599,13 @@ def example_maker(cfg: TrainConfig, inner: nn.Module | None = None) -> Callable[
                 f"the teacher pass in {cfg.teacher_dir} covers {teacher.num_examples} examples but training "
                 f"reads {need} (steps × batch_size); rerun `cepe teacher` with this config"
             )
+        missing = teacher.missing_shards(need)
+        if missing:
+            raise ValueError(
+                f"the teacher pass in {cfg.teacher_dir} lacks {len(missing)} shard(s) of the {need} examples "
+                f"training reads ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): it stopped "
+                "early or is still running; rerun `cepe teacher` with this config (it resumes)"
+            )
 
     def make(i: int, n_decoder: int | None = None, n_chunks: int | None = None) -> dict[str, torch.Tensor]:
         """Example ``i``; with ``n_decoder`` (``decoder_lengths``) and ``n_chunks`` (``context_chunks``),
