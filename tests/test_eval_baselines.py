@@ -106,3 +106,24 @@ def test_standard_request():
     assert standard_request("truncated", [[1]], [4, 5], 1).input_ids == [4, 5]
     with pytest.raises(ValueError, match="unknown method"):
         standard_request("nope", [], [1])
+
+
+def test_generation_stops_at_the_decoders_own_end_tokens():
+    """A decoder whose generation config ends turns with other ids than its tokenizer's EOS: every method
+    an evaluation builds stops at all of them (the tokenizer's EOS alone ran past the end of a turn)."""
+    from cepe.eval.common import EvalSetup
+    from cepe.tiny import tiny_model
+
+    model, tok = tiny_model()
+    ids = [5, 9, 11, 3]
+    for name in ("truncated", "cepe"):
+        model.decoder.generation_config.eos_token_id = None
+        setup = EvalSetup(tokenizer=tok, decoder=model.decoder, cepe_model=model, methods=[name])
+        assert setup.eos_ids == [tok.eos_token_id]
+        free = setup.method(name).generate(Request(ids, 1, max_new_tokens=6))
+        end = next(t for t in free[2:] if t != tok.eos_token_id and t not in free[:2])  # a later token
+        model.decoder.generation_config.eos_token_id = [end, tok.eos_token_id]
+        setup = EvalSetup(tokenizer=tok, decoder=model.decoder, cepe_model=model, methods=[name])
+        assert setup.eos_ids == sorted({end, tok.eos_token_id})
+        got = setup.method(name).generate(Request(ids, 1, max_new_tokens=6))
+        assert got == free[: free.index(end)]  # stopped there, the stop token not returned

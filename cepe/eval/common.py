@@ -65,8 +65,13 @@ class EvalSetup:
 
     @property
     def eos_ids(self) -> list[int]:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return [] if eos is None else [int(eos)]
+        """The ids that end a generation: the tokenizer's EOS and those of the decoder's generation config
+        (an instruction-tuned decoder may end its turns with another token than its tokenizer's EOS)."""
+        ids = [getattr(self.tokenizer, "eos_token_id", None)]
+        gen = getattr(self.decoder, "generation_config", None)
+        own = getattr(gen, "eos_token_id", None)
+        ids += own if isinstance(own, (list, tuple)) else [own]
+        return sorted({int(e) for e in ids if e is not None})
 
     @property
     def pad_id(self) -> int:
