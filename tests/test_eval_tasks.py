@@ -118,6 +118,22 @@ def test_ralm_retrieves_no_copy_of_a_test_document(setup):
     copied = setup.encode(docs[copy_at]["text"])[: cfg.passage_tokens]
     assert copied not in without and setup.encode(test_doc["text"])[: cfg.passage_tokens] not in without
     assert len(without) < len(passages)
+    # a separate retrieval corpus holding the test document: the same
+    own = ralm.Config(**{**cfg.__dict__, "retrieval_sources": [{"documents": [dict(test_doc, id="other")]}]})
+    _, retrieved = ralm._documents(setup, own)
+    assert retrieved == []
+    # a test document that repeats a training document's text is no test
+    docs, fr = _docs(24), SplitFractions(test=0.3, retrieval=0.3)
+    sides = [assign_split(d["id"], 1, fr) for d in docs]
+    trained = next(d for d, s in zip(docs, sides) if s == "train")
+    at = next(i for i, s in enumerate(sides) if s == "test")
+    cfg = ralm.Config(
+        sources=[{"name": "toy", "documents": docs}], test_fraction=0.3, retrieval_fraction=0.3, seq_length=16
+    )
+    before = ralm._documents(setup, cfg)[0]["toy"]
+    docs[at] = {**docs[at], "text": trained["text"] + "  "}
+    after = ralm._documents(setup, cfg)[0]["toy"]
+    assert len(after) == len(before) - 1 and setup.encode(trained["text"]) not in after
 
 
 def test_qa(setup, tmp_path):

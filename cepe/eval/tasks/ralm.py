@@ -58,32 +58,41 @@ class Config:
 
 def _documents(setup: EvalSetup, cfg: Config) -> tuple[dict[str, list[list[int]]], list[list[int]]]:
     """``(test documents of at least seq_length tokens by domain, retrieval passages)``, as token ids: the
-    passages are the retrieval split of ``sources`` cut into ``passage_tokens``, less any document whose
-    text (up to whitespace) is a test document's (or, when given, every document of ``retrieval_sources``)."""
+    passages are the retrieval split of ``sources`` (or, when given, every document of ``retrieval_sources``)
+    cut into ``passage_tokens``, less any document whose text (up to whitespace) is a test document's; a
+    test document whose text is a training document's is left out too."""
     from cepe.data.split import SplitFractions, assign_split
 
     fr = SplitFractions(test=cfg.test_fraction, retrieval=cfg.retrieval_fraction)
     tests: dict[str, list[list[int]]] = {}
     passages: list[list[int]] = []
-    tested: set[bytes] = set()  # test texts: a retrieval document that repeats one would hand it its answer
+    tested: set[bytes] = set()  # test texts: a passage that repeats one would hand it its own continuation
+    trained: set[bytes] = set()  # training texts: a test document that repeats one was trained on
+    found: list[tuple[bytes, str, list[int]]] = []
     kept: list[tuple[bytes, str]] = []
     for src in cfg.sources:
         for doc in iter_source({"max_documents": cfg.max_documents, **src}):
-            split = assign_split(doc["id"], cfg.split_seed, fr)
+            split, key = assign_split(doc["id"], cfg.split_seed, fr), text_key(doc["text"])
             if split == "test":
                 ids = setup.encode(doc["text"])
                 if len(ids) >= cfg.seq_length:
-                    tests.setdefault(doc["domain"], []).append(ids)
-                    tested.add(text_key(doc["text"]))
+                    found.append((key, doc["domain"], ids))
+                    tested.add(key)
             elif split == "retrieval" and cfg.retrieval_sources is None:
-                kept.append((text_key(doc["text"]), doc["text"]))
-    for key, text in kept:
+                kept.append((key, doc["text"]))
+            elif split == "train":
+                trained.add(key)
+    for key, domain, ids in found:
+        if key not in trained:
+            tests.setdefault(domain, []).append(ids)
+    retrieval = [(k, t) for k, t in kept] + [
+        (text_key(doc["text"]), doc["text"])
+        for src in cfg.retrieval_sources or []
+        for doc in iter_source(src)
+    ]
+    for key, text in retrieval:
         if key not in tested:
             ids = setup.encode(text)
-            passages += [ids[i : i + cfg.passage_tokens] for i in range(0, len(ids), cfg.passage_tokens)]
-    for src in cfg.retrieval_sources or []:
-        for doc in iter_source(src):
-            ids = setup.encode(doc["text"])
             passages += [ids[i : i + cfg.passage_tokens] for i in range(0, len(ids), cfg.passage_tokens)]
     if not tests:
         raise ValueError(
