@@ -357,7 +357,7 @@ class ContextStore:
     def _read_info(self) -> dict[str, Any] | None:
         f = self.path / "store.json"
         if not f.exists():
-            if self.path.exists() and any(self.path.iterdir()):
+            if self.path.exists() and not self._creation_leftovers():
                 raise StoreError(f"{self.path} exists but is not a context store (no store.json)")
             return None
         try:
@@ -367,6 +367,17 @@ class ContextStore:
         if info.get("format") != STORE_FORMAT or info.get("version") != STORE_VERSION:
             raise StoreError(f"{self.path} is not a version-{STORE_VERSION} {STORE_FORMAT}")
         return info
+
+    def _creation_leftovers(self) -> bool:
+        """Whether the directory holds nothing but what a creation stopped before ``store.json`` leaves: an
+        empty ``contexts/`` and a ``tmp/`` of staging files (or nothing at all): a new store then."""
+        for entry in self.path.iterdir():
+            if entry.name == "tmp" and entry.is_dir():
+                continue
+            if entry.name == "contexts" and entry.is_dir() and not any(entry.iterdir()):
+                continue
+            return False
+        return True
 
     def _model_info(self) -> dict[str, Any]:
         if self.model is None or self.tokenizer is None:
@@ -477,8 +488,11 @@ class ContextStore:
         self._model_info()
         cid = context_id(text)
         if self._file(cid).exists():
-            self.load(cid)  # refuses a corrupted or foreign copy instead of silently keeping it
-            return cid, False
+            try:
+                self.load(cid)  # refuses a corrupted or foreign copy instead of silently keeping it
+                return cid, False
+            except ContextNotFound:  # removed meanwhile: store it again
+                pass
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self._add(cid, ids, name, hashlib.sha256(text.encode("utf-8")).hexdigest())
 
@@ -505,8 +519,11 @@ class ContextStore:
         source = hashlib.sha256(raw).hexdigest()
         cid = source[:16]
         if self._file(cid).exists():
-            self.load(cid)
-            return cid, False
+            try:
+                self.load(cid)
+                return cid, False
+            except ContextNotFound:  # removed meanwhile: store it again
+                pass
         return self._add(cid, list(ids), name, source, encoded)
 
     def _add(self, cid, ids, name, source_sha256, encoded=None) -> tuple[str, bool]:
@@ -629,22 +646,26 @@ class ContextStore:
     def show(self, cid: str) -> dict[str, Any]:
         """Metadata of one context (header only: no hash check)."""
         f = self._file(cid)
-        if not f.exists():
-            raise ContextNotFound(f"no context {cid} in {self.path}")
-        _, meta, _ = read_safetensors_mmap(f)
+        try:
+            _, meta, _ = read_safetensors_mmap(f)
+            size = f.stat().st_size
+        except FileNotFoundError:  # never stored, or removed meanwhile
+            raise ContextNotFound(f"no context {cid} in {self.path}") from None
         out: dict[str, Any] = dict(meta)
         for key in ("n_tokens", "n_chunks", "chunk_length", "d_enc"):
             if key in out:
                 out[key] = int(out[key])
-        out["file_bytes"] = f.stat().st_size
+        out["file_bytes"] = size
         return out
 
     def list(self) -> list[dict[str, Any]]:
-        """Metadata of every stored context (header only)."""
+        """Metadata of every stored context (header only; one removed while listing is left out)."""
         out = []
         for cid in self.ids():
             try:
                 out.append(self.show(cid))
+            except ContextNotFound:
+                continue
             except CorruptContext as err:
                 out.append({"id": cid, "error": str(err)})
         return out
@@ -657,10 +678,11 @@ class ContextStore:
             for another model.
         """
         f = self._file(cid)
-        if not f.exists():
-            raise ContextNotFound(f"no context {cid} in {self.path}")
-        st = f.stat()
-        tensors, meta, raw = read_safetensors_mmap(f)
+        try:
+            st = f.stat()
+            tensors, meta, raw = read_safetensors_mmap(f)
+        except FileNotFoundError:  # never stored, or removed meanwhile
+            raise ContextNotFound(f"no context {cid} in {self.path}") from None
         missing = {"states", "key_mask", "token_ids"} - set(tensors)
         if missing or meta.get("format") != CONTEXT_FORMAT:
             raise CorruptContext(f"context {cid}: not a {CONTEXT_FORMAT} file (missing {sorted(missing)})")

@@ -368,3 +368,44 @@ def test_over_budget_dense_retrieval(tmp_path):
     cid, _ = store.add_text(text)
     ctx = store.context([cid], query="a kitten resting on a rug", budget_tokens=64, retriever="dense")
     assert ctx.retriever == "dense" and ctx.chunks == [(cid, 1)]
+
+
+def test_a_context_removed_while_read_or_listed_is_not_found(tiny, tmp_path, monkeypatch):
+    """A context removed between the listing of ids and its header (another process's ``rm``, a DELETE)
+    is left out of the listing; ``show``/``load`` of it say it is not found; adding its text again stores
+    it again."""
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    gone, _ = store.add_text(TEXT)
+    kept, _ = store.add_text("Another document, kept.")
+    ids = store.ids()
+    (tmp_path / "s" / "contexts" / f"{gone}.safetensors").unlink()
+    monkeypatch.setattr(store, "ids", lambda: ids)  # listed before the removal
+    assert [c["id"] for c in store.list()] == [kept]
+    with pytest.raises(ContextNotFound):
+        store.show(gone)
+    with pytest.raises(ContextNotFound):
+        store.load(gone)
+    real_exists = type(tmp_path).exists
+    monkeypatch.setattr(
+        type(tmp_path), "exists", lambda p: True if p.name == f"{gone}.safetensors" else real_exists(p)
+    )
+    assert store.add_text(TEXT) == (gone, True)  # seen, then gone: stored again
+
+
+def test_a_store_whose_creation_was_stopped_opens_as_new(tiny, tmp_path):
+    """Killed between creating ``contexts/`` and ``tmp/`` and writing ``store.json``: the directory holds
+    only those (``tmp/`` perhaps a staging file) and opens as a new store; anything else is refused."""
+    model, tok = tiny
+    root = tmp_path / "s"
+    (root / "contexts").mkdir(parents=True)
+    (root / "tmp").mkdir()
+    (root / "tmp" / ".tmp-999999-store.json").write_text("{")
+    store = ContextStore(root, model, tok)
+    cid, added = store.add_text(TEXT)
+    assert added and (root / "store.json").is_file() and store.ids() == [cid]
+    other = tmp_path / "o"
+    (other / "contexts").mkdir(parents=True)
+    (other / "contexts" / "x.txt").write_text("not ours")
+    with pytest.raises(StoreError, match="not a context store"):
+        ContextStore(other, model, tok)
