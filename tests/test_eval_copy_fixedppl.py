@@ -269,3 +269,23 @@ def test_foreign_context_reads_another_documents_text(setup):
     assert len(notes) == 1 and "'b'" in notes[0]
     with pytest.raises(ValueError, match="single sequence"):
         foreign_donors([{"source": "a", "document": "x"}, {"source": "b", "document": "x"}])
+
+
+def test_a_report_whose_plot_fails_is_not_marked_done(setup, tmp_path, monkeypatch):
+    """The JSON, which scripts take as the evaluation's being done, comes after the plots; a plot that
+    fails while being written leaves no PNG behind (written atomically)."""
+    import matplotlib.figure
+
+    from cepe.eval.report import write_report
+
+    cfg = _fixed([{"documents": _docs(1)}], [0, 32], window=24, scored=8, chunk=8, sequences=1)
+    result = {**run_task("fixedppl", setup, cfg), "model": "tiny"}
+
+    def broken(self, fname, **kw):
+        open(fname, "wb").write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", broken)
+    with pytest.raises(OSError, match="disk full"):
+        write_report(result, tmp_path, x_key=result.get("plot_x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fixedppl.md"]

@@ -91,8 +91,8 @@ def run_benchmark(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        write_json(result, out / "bench.json")
         plot(result, out / "bench.png")
+        write_json(result, out / "bench.json")  # last: the run's record once its plot is there
     return result
 
 

@@ -266,5 +266,8 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         axes[2].text(0.5, 0.5, "no decode settings in this run", ha="center", va="center")
     fig.suptitle(f"{result['config']['model']} ({result['config']['dtype']}), {result['machine']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from cepe.fileio import atomic_path
+
+    with atomic_path(path, suffix=".png") as tmp:  # a stopped run leaves the previous plot or none
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

@@ -81,7 +81,7 @@ def plot_lines(result: dict[str, Any], x_key: str, path: Path, metric: str | Non
     ax.set_title(str(result.get("task", "")))
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -102,7 +102,7 @@ def plot_heatmap(grid: list[list[float]], xs: list[Any], ys: list[Any], path: Pa
     ax.set_title(title)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -136,9 +136,15 @@ def plot_heatmap_panels(
     fig.suptitle(title, fontsize=10)
     if im is not None:
         fig.colorbar(im, ax=list(axes[0]), fraction=0.02)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    _save(fig, path, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _save(fig: Any, path: Path, **kwargs: Any) -> None:
+    """``fig`` as a PNG at ``path``, written atomically (a stopped run leaves the previous file or none)."""
+    with fileio.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=120, **kwargs)
 
 
 def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None = None) -> dict[str, str]:
@@ -156,7 +162,6 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
     paths = {"json": str(out / f"{task}.json"), "markdown": str(out / f"{task}.md")}
     # each written atomically, the JSON (what scripts take as the evaluation's being done) last
     fileio.write_text(paths["markdown"], markdown_table(result))
-    fileio.write_text(paths["json"], json.dumps(result, indent=2, default=str))
     if x_key:
         p = plot_lines(result, x_key, out / f"{task}.png")
         if p is not None:
@@ -175,4 +180,5 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
         hp = out / f"{task}_{method}.png"
         plot_heatmap(grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")
         paths[f"heatmap_{method}"] = str(hp)
+    fileio.write_text(paths["json"], json.dumps(result, indent=2, default=str))
     return paths
