@@ -277,6 +277,26 @@ def test_needle(setup, tmp_path):
         assert row["value"] == 100.0 * sum(k in row["answer"].lower() for k in keys) / len(keys)
 
 
+def test_bad_settings_leave_the_model_as_it_was(setup):
+    """A needle run with score scaling but no training length is refused before the shared model's config
+    changes; an ICL template without {text} before {label} is refused with a message that says so."""
+    cc = setup.cepe_model.cepe_config
+    before = (cc.score_scaling, cc.train_context_tokens)
+    assert not cc.train_context_tokens
+    base = {"haystack": {"documents": _docs(2, sentences=10)}, "totals": [200], "depths": [0.0]}
+    with pytest.raises(ValueError, match="train_context_tokens"):
+        run_task("needle", setup, {**base, "decoder_window": 96, "chunk_length": 32, "score_scaling": "yarn"})
+    assert (cc.score_scaling, cc.train_context_tokens) == before
+    icl = {
+        "source": {"documents": _docs(30, sentences=3, label=["sport", "tech"])},
+        "test_size": 2,
+        "seeds": [0],
+    }
+    for bad in ("Topic: {label}\nArticle: {text}", "Article: {text}", "Topic: {label}"):
+        with pytest.raises(ValueError, match="must hold {text} once and then {label} once"):
+            run_task("icl", setup, {**icl, "template": bad})
+
+
 def test_cli_end_to_end(tmp_path, capsys):
     import yaml
 

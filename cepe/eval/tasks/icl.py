@@ -166,6 +166,12 @@ class _Prompt:
 
     @classmethod
     def build(cls, setup: EvalSetup, cfg: Config, labels: list[str]) -> _Prompt:
+        t = cfg.template
+        if t.count("{text}") != 1 or t.count("{label}") != 1 or t.index("{text}") > t.index("{label}"):
+            raise ValueError(
+                f"the ICL template must hold {{text}} once and then {{label}} once (the label is what is "
+                f'scored, after the text), e.g. "Article: {{text}}\nTopic: {{label}}"; got {t!r}'
+            )
         pre, post = cfg.template.split("{label}", 1)
         strip = len(pre) - len(pre.rstrip())
         label_prefix = pre[len(pre.rstrip()) :] if strip else ""

@@ -198,11 +198,11 @@ def _scale(setup: EvalSetup, cfg: Config):
     if cfg.score_scaling == "none" or setup.cepe_model is None:
         return None
     cc = setup.cepe_model.cepe_config
+    if not (cfg.train_context_tokens or cc.train_context_tokens):  # checked before the model changes
+        raise ValueError("score_scaling needs train_context_tokens (set it in the needle config)")
     old = (cc.score_scaling, cc.train_context_tokens)
     cc.score_scaling = cfg.score_scaling
     cc.train_context_tokens = cfg.train_context_tokens or cc.train_context_tokens
-    if not cc.train_context_tokens:
-        raise ValueError("score_scaling needs train_context_tokens (set it in the needle config)")
 
     def restore() -> None:
         cc.score_scaling, cc.train_context_tokens = old
