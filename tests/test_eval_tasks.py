@@ -254,6 +254,47 @@ def test_longdoc(setup, tmp_path):
     _check(r, tmp_path, "rouge_l")
 
 
+def test_longdoc_zeroscrolls_records_keep_their_instructions(setup, tmp_path, monkeypatch):
+    """A ZeroSCROLLS record's task instructions come before the document, its separator, query and answer
+    opening after it, as the record has them (not the query alone with a second "Answer:")."""
+    from cepe.eval.tasks import longdoc
+
+    prompt, doc = (
+        "Answer as concisely as you can; write unanswerable if you cannot.\n\nStory:\n",
+        "DOC TEXT " * 20,
+    )
+    tail = "\n\nQuestion:\nWhat is X?\n\nAnswer:"
+    text = prompt + doc + tail
+    record = {
+        "input": text,
+        "output": "X",
+        "document_start_index": len(prompt),
+        "document_end_index": len(prompt) + len(doc),
+        "query_start_index": len(prompt) + len(doc) + len("\n\nQuestion:\n"),
+    }
+    path = tmp_path / "zs.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (ex,) = longdoc.read_longdoc(path)
+    assert (ex["prefix"], ex["document"], ex["instruction"]) == (prompt, doc, tail)
+    seen = []
+    real = longdoc.longdoc_request
+
+    def spy(method, pre, d, suf, cfg):
+        seen.append((setup.decode(pre), setup.decode(suf)))
+        return real(method, pre, d, suf, cfg)
+
+    monkeypatch.setattr(longdoc, "longdoc_request", spy)
+    cfg = {
+        "path": str(path),
+        "decoder_window": 128,
+        "chunk_length": 32,
+        "max_new_tokens": 2,
+        "chat_template": False,
+    }
+    run_task("longdoc", setup, cfg)
+    assert seen and all(p == prompt and s == tail for p, s in seen)
+
+
 def test_needle(setup, tmp_path):
     cfg = {
         "haystack": {"documents": _docs(4, sentences=40)},

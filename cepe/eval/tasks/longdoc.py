@@ -23,7 +23,11 @@ from cepe.eval.metrics import text_metric
 
 
 def read_longdoc(path: str | Path) -> list[dict[str, Any]]:
-    """Examples ``{"document", "instruction", "answers"}`` from JSONL (own or ZeroSCROLLS fields)."""
+    """Examples ``{"document", "instruction", "answers"}`` from JSONL (own or ZeroSCROLLS fields).
+
+    A ZeroSCROLLS ``input`` is the task's instructions, the document, a separator, the query and the
+    answer's opening: the instructions become the example's ``prefix`` (before the document) and the rest
+    after the document its ``instruction``, which already opens the answer (``own_answer_prefix``)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"long-document file {p} does not exist")
@@ -32,19 +36,26 @@ def read_longdoc(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         r = json.loads(line)
+        extra: dict[str, Any] = {}
         if "document" in r:
             doc, instr, ans = r["document"], r.get("instruction", ""), r.get("answers", r.get("output", ""))
         elif "input" in r and "document_end_index" in r:
-            text = r["input"]
-            doc = text[r.get("document_start_index", 0) : r["document_end_index"]]
-            instr = text[r.get("query_start_index", r["document_end_index"]) :]
-            ans = r.get("output", "")
+            text, start, end = r["input"], r.get("document_start_index", 0), r["document_end_index"]
+            doc, instr, ans = text[start:end], text[end:], r.get("output", "")
+            extra = {"prefix": text[:start], "own_answer_prefix": True}
         else:
             raise ValueError(
                 f"{p}:{i + 1}: expected fields document/instruction/answers or ZeroSCROLLS input/output/"
                 "document_end_index"
             )
-        out.append({"document": doc, "instruction": instr, "answers": [ans] if isinstance(ans, str) else ans})
+        out.append(
+            {
+                "document": doc,
+                "instruction": instr,
+                "answers": [ans] if isinstance(ans, str) else ans,
+                **extra,
+            }
+        )
     return out
 
 
@@ -146,8 +157,11 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     for method in setup.methods:
 
         def answer(m, ex, _method=method):
-            pre = setup.encode(before)
-            suf = setup.encode(suffix_text.format(instr=ex["instruction"].strip()))
+            pre = setup.encode(before + ex.get("prefix", ""))
+            if ex.get("own_answer_prefix"):  # the record's text after the document, as it is
+                suf = setup.encode(ex["instruction"].rstrip() + (after if before else ""))
+            else:
+                suf = setup.encode(suffix_text.format(instr=ex["instruction"].strip()))
             req = longdoc_request(_method, pre, setup.encode(ex["document"]), suf, cfg)
             kwargs = cfg.sampling if _method in ("cepe", "full", "truncated") else {}
             pred = setup.decode(m.generate(req, **kwargs)).strip()
