@@ -189,6 +189,32 @@ def test_resume_refuses_other_config(tmp_path):
         train(_cfg("mlm", tmp_path / "m", steps=2, save_every=1, **{"optim.lr": 0.5}), resume=True)
 
 
+def test_resume_refuses_a_corpus_prepared_again(tmp_path):
+    """A run resumed over a corpus directory prepared again (its index.json differs) would not continue the
+    same examples: refused; the same corpus resumes."""
+    from cepe.data.tokenized import ShardWriter
+
+    def corpus(seed: int) -> str:
+        g = torch.Generator().manual_seed(seed)
+        with ShardWriter(tmp_path / "c", eos_id=1, vocab_size=100, shard_tokens=512) as w:
+            for d in range(6):
+                w.add("train", f"doc{d}", "toy", (torch.randint(2, 100, (300,), generator=g)).tolist())
+        return str(tmp_path / "c")
+
+    def cfg(stop: int | None):
+        stops = {} if stop is None else {"stop_after": stop}
+        c = _cfg("warmup", tmp_path / "w", init_encoder="null", steps=3, save_every=1, **stops)
+        c.data.synthetic, c.data.corpus = None, str(tmp_path / "c")
+        return c
+
+    corpus(0)
+    train(cfg(1))
+    train(cfg(2), resume=True)  # the same corpus
+    corpus(1)
+    with pytest.raises(ValueError, match="trained on another corpus"):
+        train(cfg(None), resume=True)
+
+
 def _ceped_cfg(tmp_path: Path, **over):
     """The tiny CEPED stage from scratch, its offline teacher in ``tmp_path / "t"``, 4 examples a step."""
     return _cfg(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,32 @@ class SyntheticWindows:
         motif = torch.multinomial(zipf, period, replacement=True, generator=g)
         reps = -(-self.seq_length // period)
         return motif.repeat(reps)[: self.seq_length].clone()
+
+
+def corpus_digest(cfg: TrainConfig) -> str | None:
+    """SHA-256 (first 16 hex digits) of the training corpus: its ``index.json`` (documents, lengths,
+    tokenizer) and each token shard's size and bytes (the first and last MiB of a larger shard), so that a
+    corpus prepared again into the same directory reads as another; None for synthetic data."""
+    if cfg.data.synthetic is not None or not cfg.data.corpus:
+        return None
+    import hashlib
+
+    from cepe.data.tokenized import INDEX_FILE
+
+    root = Path(cfg.data.corpus)
+    if not (root / INDEX_FILE).is_file():
+        return None  # TokenizedCorpus says what is wrong with the directory
+    h = hashlib.sha256((root / INDEX_FILE).read_bytes())
+    part = 1 << 20
+    for shard in sorted(root.glob("*.npy")):
+        size = shard.stat().st_size
+        h.update(f"{shard.name}|{size}|".encode())
+        with open(shard, "rb") as f:
+            h.update(f.read(part))
+            if size > 2 * part:
+                f.seek(size - part)
+            h.update(f.read(part))
+    return h.hexdigest()[:16]
 
 
 def window_source(cfg: TrainConfig, vocab_size: int) -> Any:

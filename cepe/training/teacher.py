@@ -24,7 +24,7 @@ from cepe.fileio import atomic_path, write_json
 from cepe.modeling import decoder_logits
 
 from .config import TrainConfig
-from .data import shuffled_window, window_source
+from .data import corpus_digest, shuffled_window, window_source
 from .losses import teacher_topk
 
 MANIFEST = "manifest.json"
@@ -44,21 +44,6 @@ def teacher_manifest(cfg: TrainConfig, num_examples: int) -> dict[str, Any]:
         "data": cfg.to_dict()["data"],
         "data_digest": corpus_digest(cfg),
     }
-
-
-def corpus_digest(cfg: TrainConfig) -> str | None:
-    """SHA-256 (first 16 hex digits) of the training corpus's ``index.json`` (its shards, sizes and
-    tokenizer: a corpus prepared again into the same directory gets another), None for synthetic data."""
-    if cfg.data.synthetic is not None or not cfg.data.corpus:
-        return None
-    import hashlib
-
-    from cepe.data.tokenized import INDEX_FILE
-
-    path = Path(cfg.data.corpus) / INDEX_FILE
-    if not path.is_file():
-        return None  # TokenizedCorpus says what is wrong with the directory
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def _differs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -40,6 +40,7 @@ from .data import (
     at_layout,
     build_example,
     collate,
+    corpus_digest,
     example_indices,
     needs_foreign,
     regroup_chunks,
@@ -419,6 +420,7 @@ class _Run:
                 "step": done,
                 "examples_seen": done * cfg.batch_size,
                 "fingerprint": cfg.fingerprint(),
+                "data_digest": corpus_digest(cfg),
                 "stage": cfg.stage,
                 "world_size": self.world,
                 "compute_dtype": self.compute_dtype,
@@ -486,6 +488,14 @@ def _resume_point(
                 f"{snapshot.get('fingerprint')}, this run is {cfg.stage!r} with {cfg.fingerprint()}; continue "
                 "with the config that wrote it, or point snapshot_dir elsewhere"
             )
+    record = saved if saved is not None else snapshot
+    digest = corpus_digest(cfg)
+    if record is not None and record.get("data_digest") not in (None, digest):  # (None: written before)
+        raise ValueError(
+            f"the run in {out} was trained on another corpus in {cfg.data.corpus} (its index.json differs: "
+            f"prepared again since?); resuming would not continue the same examples. Restore that corpus "
+            "or start a new output_dir"
+        )
     return existing, saved, snapshot
 
 
