@@ -155,3 +155,27 @@ def test_a_stage_adds_gates_and_trains_only_them(tmp_path, cepe, attr, extra, pa
     gates = [getattr(m, attr) for m in trained.cross_attention_modules()]
     weights = [w for g in gates for w in (g.parameters() if isinstance(g, torch.nn.Module) else [g])]
     assert any(w.abs().sum() > 0 for w in weights)
+
+
+def test_match_gate_calibration_reads_the_drawn_layouts(tmp_path):
+    """``match_gate_calibrate`` standardises the statistics of the micro-batches training builds, at their
+    drawn layouts (``context_chunks``): one chunk of context gives other norms than the full four."""
+    import yaml
+
+    from cepe.training.config import load_config
+    from cepe.training.trainer import train
+
+    d = yaml.safe_load(open("configs/train/tiny/cepe.yaml"))
+    d.pop("init_adapter")
+    d.update(steps=1, progress=False, match_gate_calibrate=2)
+    d["cepe"] = {**(d.get("cepe") or {}), "match_gate": True}
+
+    def norms(**over) -> torch.Tensor:
+        from cepe.training.models import build_decoder
+
+        cfg = load_config({**d, "output_dir": str(tmp_path / str(len(over))), **over})
+        model = CepeForCausalLM.from_pretrained(train(cfg), decoder=build_decoder(cfg))
+        return torch.stack([m.match_norm for m in model.cross_attention_modules()])
+
+    full, one = norms(), norms(context_chunks=[1])
+    assert not torch.allclose(full, one)

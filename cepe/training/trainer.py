@@ -744,15 +744,9 @@ def _calibrate_match_gate(run: _Run) -> None:
         return
 
     def forward() -> None:
-        mb = cfg.micro_batch_size
-        for i in range(cfg.match_gate_calibrate):
-            batch = collate([run.make(j) for j in range(i * mb, (i + 1) * mb)])
-            batch = {k: v.to(run.acc.device) for k, v in batch.items()}
-            batch.pop("index")
-            length = step_chunk_length(cfg, i // run.accum, i % run.accum)
-            if length is not None:
-                batch = regroup_chunks(batch, length)
-            run.module(batch)
+        for i in range(cfg.match_gate_calibrate):  # the first micro-batches, as training builds them
+            batch = micro_batch(cfg, run.make, i // run.accum, i % run.accum)
+            run.module({k: v.to(run.acc.device) for k, v in batch.items()})
             run.stage_module.release()
 
     model.eval()
