@@ -36,6 +36,7 @@ from typing import Any
 from cepe.configio import read_config_file
 from cepe.fileio import write_json, write_text
 from cepe.tables import pipe_table
+from cepe.training.runctl import read_status
 from cepe.training.trainer import read_log
 
 CONFIGS = Path("configs/train/recipe")
@@ -104,8 +105,8 @@ def stage_row(
     state = "not begun"
     status = out / "status.json"
     if status.is_file():
-        try:
-            state = json.loads(status.read_text()).get("state", "unknown")
+        try:  # a run that says it is running while its process is gone reads "stopped (process gone)"
+            state = (read_status(out) or {}).get("state", "unknown")
         except json.JSONDecodeError:
             state = "unknown"
     row: dict[str, Any] = {

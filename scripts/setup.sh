@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+# a venv whose creation stopped early (no pip or no activate script: python3-venv missing, a kill) is
+# made again rather than left to fail at every later run
+if [ ! -f .venv/bin/activate ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  "$PY" -m venv --clear .venv
 fi
 . .venv/bin/activate
 pip_q() { pip install --disable-pip-version-check -q "$@"; }
@@ -33,8 +35,11 @@ python -m cepe.assets prepare
 # 14-34 % and evaluations 15-22 % faster than with glibc's malloc, "Where a CPU step's time went" in
 # docs/TRAINING.md): installed where this is a
 # Debian/Ubuntu machine and we may; optional, so a failure here only says so.
-if ! ls /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1 && command -v apt-get >/dev/null \
-  && [ "$(id -u)" = 0 ] && [ -z "${CEPE_NO_APT:-}" ]; then
-  DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q libjemalloc2 >/dev/null 2>&1 ||
+have_jemalloc() { compgen -G "/usr/lib/*/libjemalloc.so.2" >/dev/null || [ -e /usr/lib64/libjemalloc.so.2 ]; }
+if ! have_jemalloc && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && [ -z "${CEPE_NO_APT:-}" ]; then
+  # a fresh container's package lists may be empty: install, else refresh them once and install again
+  { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q libjemalloc2 >/dev/null 2>&1 ||
+    { timeout 300 apt-get update -q >/dev/null 2>&1 &&
+      DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q libjemalloc2 >/dev/null 2>&1; }; } ||
     echo "setup: libjemalloc2 not installed (optional; CPU training runs with the system malloc)" >&2
 fi

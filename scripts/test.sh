@@ -9,7 +9,16 @@ ruff format --check .
 # Quick tier first (tiny models, one process: a broken core fails in seconds), then the tests marked slow
 # (the real default decoder, minute-long runs) or multiproc (other Python processes). CEPE_TESTS=quick
 # runs the quick tier only; CI runs both.
-python -m pytest -q -x --durations=15 -m "not slow and not multiproc" "$@"
+# Each tier within a time budget (seconds, CEPE_TEST_BUDGET; a hung test fails the run, with the tests that
+# ran and their durations, instead of stalling it): the whole run is meant to take under 20 minutes.
+tier() {
+    local rc=0
+    timeout --signal=INT --kill-after=60 "${CEPE_TEST_BUDGET:-1500}" python -m pytest -q -x --durations=15 "$@" ||
+        rc=$?
+    [ "$rc" != 124 ] || echo "tests: a tier ran past its ${CEPE_TEST_BUDGET:-1500} s budget" >&2
+    return "$rc"
+}
+tier -m "not slow and not multiproc" "$@"
 if [ "${CEPE_TESTS:-all}" != quick ]; then
-    python -m pytest -q -x --durations=15 -m "slow or multiproc" "$@"
+    tier -m "slow or multiproc" "$@"
 fi

@@ -23,9 +23,13 @@ done
 . .venv/bin/activate
 mkdir -p runs/recipe
 . scripts/pidfile.sh
-if pid_running runs/recipe/chain.pid run_chain; then
-  echo "a chain is running already (pid $(cat runs/recipe/chain.pid), log runs/recipe/chain.log): two would train" \
-    "the same stages at once; wait for it, or stop it first (kill $(cat runs/recipe/chain.pid) and its stage)" >&2
+# one chain at a time: the lock is held by the chain's process and every stage it starts (fd 9 is inherited),
+# so it also holds while a stage outlives a killed chain, and from the first check on (no gap before the pid)
+exec 9>> runs/recipe/chain.lock
+if ! flock -n 9 || pid_running runs/recipe/chain.pid run_chain; then
+  pid=$(cat runs/recipe/chain.pid 2>/dev/null || echo "gone; its stage runs on: pgrep -af 'cepe train'")
+  echo "a chain is running already (pid $pid, log runs/recipe/chain.log): two would train the same stages" \
+    "at once; wait for it, or stop it first (kill the chain and its stage: pgrep -af 'train_chain|cepe train')" >&2
   exit 2
 fi
 [ -f runs/data/mini/summary.json ] || cepe prepare-data --corpora austen acl stdlib --seed 1 \
@@ -43,13 +47,16 @@ if names_set 'runs/data/mini_linux_all' "$@"; then
   [ -f runs/data/mini_linux_all/summary.json ] || cepe prepare-data --corpora austen acl stdlib linux-docs --seed 1 \
     --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini_linux_all --quiet
 fi
+# a stop asked for (SIGHUP, SIGINT, SIGTERM: the run checkpoints and exits 128 + the signal) is no failure; a
+# crash by another signal is (SIGKILL from the out-of-memory killer, SIGSEGV, SIGABRT): it would recur
+stopped_by() { case "$1" in 129 | 130 | 143) return 0 ;; *) return 1 ;; esac; }
 run_chain() {
   for name in "$@"; do
     if [ "${name#heads:}" != "$name" ]; then  # the heads over the stage before, judged, in the foreground
       local heads=${name#heads:} rc=0
       echo "$(date -u +%FT%TZ) $heads: heads and validation (runs/recipe/heads.log)"
       FOREGROUND=1 bash scripts/heads_and_validate.sh "$heads" || rc=$?
-      if [ "$rc" -gt 128 ]; then
+      if stopped_by "$rc"; then
         echo "$(date -u +%FT%TZ) $heads: stopped by signal $((rc - 128)); the chain stops (run it again to resume)"
         exit 0
       fi
@@ -66,7 +73,7 @@ run_chain() {
     local rc=0
     cepe train --config "$cfg" --output-dir "$out" \
       --no-progress ${BF16:+--set "bf16=$BF16"} "${resume[@]}" >> "$out.log" 2>&1 || rc=$?
-    if [ "$rc" -gt 128 ]; then  # cepe train exits 128 + the signal after checkpointing (SIGTERM, SIGINT)
+    if stopped_by "$rc"; then  # cepe train exits 128 + the signal after checkpointing (SIGTERM, SIGINT)
       echo "$(date -u +%FT%TZ) $name: stopped by signal $((rc - 128)) before its end; the chain stops (run it again to resume)"
       exit 0
     fi
@@ -78,6 +85,6 @@ run_chain() {
   done
 }
 . scripts/fast_alloc.sh 2>> runs/recipe/chain.log  # jemalloc where there is one, for every stage
-nohup bash -c "$(declare -f run_chain); run_chain $*" >> runs/recipe/chain.log 2>&1 &
+nohup bash -c "$(declare -f stopped_by run_chain); run_chain $*" >> runs/recipe/chain.log 2>&1 &
 echo $! > runs/recipe/chain.pid
 echo "started the chain $* (pid $(cat runs/recipe/chain.pid)), log runs/recipe/chain.log"

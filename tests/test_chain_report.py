@@ -81,3 +81,14 @@ def test_unknown_stage_and_a_broken_log_are_refused_with_the_reason(tmp_path):
     (configs / "d.yaml").write_text("lr: 1.0\n")
     with pytest.raises(SystemExit, match="no positive `steps`"):
         mod.stage_row("d", runs, configs, every=4, terms=[])
+
+
+def test_a_stage_whose_process_is_gone_is_not_running(tmp_path):
+    """A stage whose status says running while its process is gone (a killed session) reads as stopped."""
+    import subprocess
+
+    mod = load_script("chain_report")
+    configs, runs = _chain(tmp_path)
+    gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    (runs / "b/status.json").write_text(json.dumps({"state": "running", "pid": int(gone.stdout)}))
+    assert mod.stage_row("b", runs, configs, every=4, terms=[])["state"] == "stopped (process gone)"

@@ -667,3 +667,29 @@ def test_eval_alloc_ab_runs_each_config_under_both_allocators_and_compares_their
         assert f"copy_val {same}, lm_val {same}" in (root / f"out{skew}/times.md").read_text()
     preloads = Path(f"{calls}.preload").read_text().splitlines()
     assert len(preloads) == 8 and all(line == f"eval {lib}" for line in preloads)  # the jemalloc runs only
+
+
+def test_a_stage_killed_by_another_signal_is_a_failure(tmp_path):
+    """Only the stops a run is asked for (SIGHUP, SIGINT, SIGTERM) stop the chain quietly; a stage killed
+    by the out-of-memory killer (SIGKILL) crashed, and a rerun would crash the same way."""
+    log = _run_chain_with_exit(tmp_path, 128 + 9)
+    assert "fast_warmup: failed (exit 137), see runs/recipe/fast_warmup.log" in log
+    assert "stopped by signal" not in log
+
+
+def test_a_second_chain_is_refused_while_a_stage_of_the_first_runs(tmp_path):
+    """The chain's lock is held by its stage too: with the chain's own process gone (its pid file removed
+    here) a second chain is still refused while the stage runs, and starts once it has ended."""
+    root = _with_stand_in_cepe(tmp_path, 0)
+    (root / "fakebin/cepe").write_text("#!/usr/bin/env bash\nsleep 3\nexit 143\n")
+    start = ["bash", "scripts/train_chain.sh", "fast_warmup"]
+    subprocess.run(start, cwd=root, check=True)
+    pidfile = root / "runs/recipe/chain.pid"
+    first = pidfile.read_text()
+    pidfile.unlink()
+    second = subprocess.run(start, cwd=root, capture_output=True, text=True)
+    assert second.returncode == 2 and "a chain is running already" in second.stderr
+    time.sleep(4)
+    subprocess.run(start, cwd=root, check=True)  # the first has ended: the lock is free
+    assert pidfile.read_text() != first
+    _wait(pidfile)
