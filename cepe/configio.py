@@ -224,7 +224,7 @@ def _coerce(kind: str, value: Any, key: str) -> Any:
     if base in ("int", "float"):
         try:  # true / false count as 1 / 0 (e.g. ``data.shuffle: true`` = every window)
             number = float(value) if base == "float" else int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"{key} must be a number ({base}), got {value!r}") from None
         if base == "int" and isinstance(value, float) and value != number:
             raise ValueError(f"{key} must be an integer, got {value!r}")

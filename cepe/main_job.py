@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cepe.configio import add_config_flags, config_from_args
+from cepe.fileio import write_text
 from cepe.tables import pipe_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,7 +130,7 @@ def run_main(
         print(f"({task}: {time.time() - t0:.0f} s)")
 
     results["generation"] = _generation_demo(setup, generate_from_context, fast)
-    (out / "main.json").write_text(json.dumps(results, indent=1, default=str))
+    write_text(out / "main.json", json.dumps(results, indent=1, default=str))  # atomically
     written = ", ".join(f"{task}/" for task, *_ in parts if task in results)
     print(f"== results in {out}/ (main.json, {written})")
     return results

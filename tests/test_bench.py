@@ -302,3 +302,25 @@ def test_decode_modes_are_checked_from_a_file_or_set():
 
     with pytest.raises(ValueError, match="unknown decode_modes \\['kvv'\\]"):
         load_config(BenchConfig, overrides=["decode_modes=[kvv]"]).validate()
+
+
+def test_a_failed_setting_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A prefill that fails (out of memory at its length, say) is a row with its error, and the printed
+    report names it (it read the row's cost-model FLOPs, which an error row lacks, and crashed)."""
+    import cepe.bench.api as api
+    from cepe.bench.report import format_report
+
+    real = api.run_setting
+
+    def failing(cfg, setting, model):
+        if setting["kind"] == "prefill" and setting["method"] == "full":
+            raise MemoryError("out of memory")
+        return real(cfg, setting, model)
+
+    monkeypatch.setattr(api, "run_setting", failing)
+    result = run_benchmark(
+        tiny_cfg(), tmp_path, in_process=True, peak_matmul_size=128, peak_seconds=0.05, log=lambda s: None
+    )
+    errors = [r for r in result["rows"] if r.get("error")]
+    assert errors and all(r["method"] == "full" and "MemoryError" in r["error"] for r in errors)
+    assert "error: MemoryError: out of memory" in format_report(result)

@@ -376,6 +376,9 @@ def test_eval_config_mistakes_are_refused_before_any_model_loads(tmp_path, capsy
         (["methods.streamingllm.recent_token=508"], "methods.streamingllm.recent_token: not an option"),
         (["methods.streaming.stride=4"], "methods.streaming: unknown method"),
         (["methods.streamingllm.stride=abc"], r"methods.streamingllm.stride must be a number \(int\)"),
+        (["methods.streamingllm.stride=2.5"], r"methods.streamingllm.stride must be a number \(int\)"),
+        (["methods.streamingllm.sink_tokens=true"], r"methods.streamingllm.sink_tokens must be a number"),
+        (["methods.replug.temperature=true"], r"methods.replug.temperature must be a number \(float\)"),
     ):
         with pytest.raises(ValueError, match=said):
             load_eval_config("lm", "configs/eval/lm.yaml", sets, [])
@@ -387,3 +390,8 @@ def test_eval_config_mistakes_are_refused_before_any_model_loads(tmp_path, capsy
     assert run.out is not None and run.seed is not None
     assert main(["eval", "lm", "--model", "tiny", "--set", "totals=[1,"]) == 2
     assert "cannot read '[1,' as a value" in capsys.readouterr().err
+    # an overflowing number and a zero divisor are errors with the reason, not tracebacks
+    assert main(["bench", "--set", "repeats=.inf"]) == 2
+    assert "repeats must be a number (int)" in capsys.readouterr().err
+    assert main(["bench", "--encoder-heads", "0"]) == 2
+    assert "encoder_heads must be positive" in capsys.readouterr().err

@@ -101,7 +101,15 @@ class BenchConfig:
             raise ValueError(f"replug_piece must be in (0, window={self.window}), got {self.replug_piece}")
         if self.window <= 4:
             raise ValueError("window must exceed the 4 StreamingLLM sink tokens")
-        for name in ("chunk", "micro_batch", "full_chunk", "repeats", "encoder_hidden", "encoder_layers"):
+        for name in (
+            "chunk",
+            "micro_batch",
+            "full_chunk",
+            "repeats",
+            "encoder_hidden",
+            "encoder_layers",
+            "encoder_heads",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if any(t <= 0 for t in self.lengths):

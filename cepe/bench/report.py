@@ -173,7 +173,8 @@ def format_report(result: dict[str, Any]) -> str:
         head = f"{r['method']:<13}{r['tokens']:>8}"
         if r.get("skipped") or r.get("error"):
             why = r.get("skipped") or "error: " + r["error"].splitlines()[-1][:60]
-            lines.append(f"{head}  ({why}; cost model: {r['flops'] / 1e9:.0f} GFLOP)")
+            cost = f"; cost model: {r['flops'] / 1e9:.0f} GFLOP" if "flops" in r else ""
+            lines.append(f"{head}  ({why}{cost})")
             continue
         lines.append(
             f"{head}{r['tokens_per_s']:>11.1f}{r['seconds']:>9.2f}{r['flops'] / 1e9:>11.1f}"

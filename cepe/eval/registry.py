@@ -42,11 +42,14 @@ def check_method_options(options: dict[str, Any]) -> None:
                 raise ValueError(f"methods.{method}.{key}: not an option of {method} (its options: {known})")
             if value is None and key == "chunk_length":
                 continue
-            try:
-                takes[key](value)
-            except (TypeError, ValueError):
+            kind = takes[key]
+            try:  # a bool or a fraction where an integer goes would be taken silently as 1 / 0 or cut
+                if isinstance(value, bool) or (kind is int and float(value) != int(value)):
+                    raise ValueError
+                kind(value)
+            except (TypeError, ValueError, OverflowError):
                 raise ValueError(
-                    f"methods.{method}.{key} must be a number ({takes[key].__name__}), got {value!r}"
+                    f"methods.{method}.{key} must be a number ({kind.__name__}), got {value!r}"
                 ) from None
 
 
