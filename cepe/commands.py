@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,8 +138,25 @@ def export_adapter(cfg: ExportConfig) -> Path:
         model.cepe_config.decoder_name_or_path = cfg.decoder_name
     if cfg.drop_mixture:
         model.disable_output_mix()
-    model.save_pretrained(cfg.out, quantize=cfg.quantize)
+    model.save_pretrained(cfg.out, quantize=cfg.quantize or stored_quantization(cfg.model))
     return Path(cfg.out)
+
+
+def stored_quantization(adapter_dir: str | os.PathLike[str]) -> str | None:
+    """The weight storage of a saved adapter (``int8``, ``int8-g64``; None: as computed): what its file's
+    metadata records. Stored again the same way, int8 weights come back bit for bit (each row's largest
+    value is its scale's 127 steps)."""
+    from safetensors import safe_open
+
+    from .modeling import ADAPTER_WEIGHTS
+    from .quant import QUANT_MODES
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        recorded = (f.metadata() or {}).get("cepe_quant")
+    return {v: k for k, v in QUANT_MODES.items()}.get(recorded)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -287,3 +287,22 @@ def test_int8_storage_keeps_narrow_tensors_exact(tmp_path, mode):
     with torch.no_grad():
         logits = loaded(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-g64"])
+def test_export_keeps_the_weight_storage_it_read(tmp_path, mode):
+    """``cepe export`` without ``quantize`` stores the weights as the adapter it read stored them: an int8
+    adapter stays int8, its file bit for bit the same tensors (it wrote fp32, four times the size)."""
+    from cepe.commands import ExportConfig, export_adapter, stored_quantization
+
+    model = _random_adapter(tmp_path)
+    model.save_pretrained(tmp_path / "q", quantize=mode)
+    assert stored_quantization(tmp_path / "q") == mode
+    export_adapter(ExportConfig(model=str(tmp_path / "q"), out=str(tmp_path / "again")))
+    before, after = (
+        load_file(tmp_path / "q" / ADAPTER_WEIGHTS),
+        load_file(tmp_path / "again" / ADAPTER_WEIGHTS),
+    )
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    model.save_pretrained(tmp_path / "f")
+    assert stored_quantization(tmp_path / "f") is None
