@@ -121,3 +121,19 @@ def test_compressed_files_are_refused_not_read_as_text(tmp_path: Path) -> None:
     ok = tmp_path / "fine.jsonl.gz"
     ok.write_bytes(gzip.compress(b'{"text": "hi"}\n'))
     assert [x["text"] for x in read_path(ok)] == ["hi"]
+
+
+def test_directory_default_ids_are_unique_and_mixed_directories_refused(tmp_path: Path) -> None:
+    """Records without ids in files of one directory get ids from each file's path there (``train/part-0``
+    and ``extra/part-0`` once collided as ``part-0/1``, and so did ``data.1`` and ``data.2``); a directory
+    that also holds text or ``.json`` files, which would be left out, is refused naming them."""
+    d = tmp_path / "corpus"
+    for rel in ("train/part-0.jsonl", "extra/part-0.jsonl", "data.1.jsonl", "data.2.jsonl"):
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(json.dumps({"text": f"from {rel}"}) + "\n")
+    ids = [x["id"] for x in read_path(d)]
+    assert sorted(ids) == ["data.1/1", "data.2/1", "extra/part-0/1", "train/part-0/1"]
+    assert [x["id"] for x in read_path(d / "data.1.jsonl")] == ["data/1"]  # a file alone: as before
+    (d / "notes.txt").write_text("a note")
+    with pytest.raises(ValueError, match=r"holds record files .* and other documents too \(notes.txt\)"):
+        list(read_path(d))

@@ -86,9 +86,11 @@ def read_jsonl(
     domain_field: str = "domain",
     domain: str | None = None,
     default_domain: str | None = None,
+    id_prefix: str | None = None,
 ) -> Iterator[Document]:
     """Documents from a JSON-lines file (``.jsonl`` or ``.jsonl.gz``), one object per line; ``domain``
-    overrides every record's, ``default_domain`` (else the file's name) is for records without one.
+    overrides every record's, ``default_domain`` (else the file's name) is for records without one; a
+    record without an id is ``<id_prefix>/<line>`` (default prefix: the file's name up to its first dot).
 
     Raises:
         ValueError: the file is missing, a line is not valid JSON, or a record lacks ``text_field``
@@ -98,6 +100,7 @@ def read_jsonl(
     if not p.is_file():
         raise ValueError(f"JSONL file {p} does not exist")
     stem = p.name.split(".")[0]
+    prefix = stem if id_prefix is None else id_prefix
     opener = gzip.open if p.suffix == ".gz" else open
     with opener(p, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -111,7 +114,7 @@ def read_jsonl(
             yield _record_to_doc(
                 record,
                 where,
-                f"{stem}/{lineno}",
+                f"{prefix}/{lineno}",
                 text_field,
                 id_field,
                 domain_field,
@@ -128,6 +131,7 @@ def read_parquet(
     domain: str | None = None,
     batch_size: int = 1024,
     default_domain: str | None = None,
+    id_prefix: str | None = None,
 ) -> Iterator[Document]:
     """Documents from a parquet file, read in record batches with ``pyarrow`` (``pip install pyarrow``).
 
@@ -154,7 +158,7 @@ def read_parquet(
             yield _record_to_doc(
                 record,
                 f"{p} row {row}",
-                f"{p.stem}/{row}",
+                f"{p.stem if id_prefix is None else id_prefix}/{row}",
                 text_field,
                 id_field,
                 domain_field,
@@ -225,7 +229,9 @@ def read_path(
     or a list of objects) -> :func:`from_records`,
     ``*.parquet`` -> :func:`read_parquet`, any other file or a directory -> :func:`read_text`.
 
-    A directory of ``*.jsonl`` / ``*.parquet`` files is read file by file in sorted order.
+    A directory of ``*.jsonl`` / ``*.parquet`` files is read file by file in sorted order (a record without
+    an id is ``<file's path there, without its suffix>/<line or row>``); one that also holds text or
+    ``.json`` files is refused, since those would be left out.
 
     Raises:
         ValueError: ``path`` does not exist.
@@ -241,8 +247,19 @@ def read_path(
             if f.is_file() and f.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))
         )
         if tabular:
+            other = sorted(
+                f.relative_to(p).as_posix()
+                for f in p.rglob("*")
+                if f.is_file() and (f.suffix in TEXT_SUFFIXES or f.name.lower().endswith(".json"))
+            )
+            if other:
+                raise ValueError(
+                    f"directory {p} holds record files (.jsonl / .parquet) and other documents too "
+                    f"({', '.join(other[:3])}{' ...' if len(other) > 3 else ''}), which would be left out: "
+                    "give each kind as its own input (a file or a directory of one kind)"
+                )
             for f in tabular:  # a record's own domain kept; the directory's name for those without one
-                yield from _read_tabular(f, text_field, id_field, domain, p.name)
+                yield from _read_tabular(f, text_field, id_field, domain, p.name, _id_prefix(f, p))
             return
         yield from read_text(p, domain=domain)
     elif name.endswith((".jsonl", ".jsonl.gz")):
@@ -269,15 +286,22 @@ _PACKED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4")
 """File endings read_path refuses rather than read as text (``.jsonl.gz`` is read)."""
 
 
+def _id_prefix(f: Path, root: Path) -> str:
+    """The default id prefix of a record file ``f`` in the directory ``root``: its path there without its
+    record suffix (``sub/part-0`` for ``sub/part-0.jsonl``), unique among the directory's files."""
+    rel = f.relative_to(root).as_posix()
+    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+        if rel.lower().endswith(suffix):
+            return rel[: -len(suffix)]
+    return rel
+
+
 def _read_tabular(
-    f: Path, text_field: str, id_field: str, domain: str | None, default_domain: str
+    f: Path, text_field: str, id_field: str, domain: str | None, default_domain: str, id_prefix: str
 ) -> Iterator[Document]:
     """One ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet`` file of a directory."""
+    kw = dict(text_field=text_field, id_field=id_field, domain=domain, default_domain=default_domain)
     if f.name.lower().endswith(".parquet"):
-        yield from read_parquet(
-            f, text_field=text_field, id_field=id_field, domain=domain, default_domain=default_domain
-        )
+        yield from read_parquet(f, id_prefix=id_prefix, **kw)
     else:
-        yield from read_jsonl(
-            f, text_field=text_field, id_field=id_field, domain=domain, default_domain=default_domain
-        )
+        yield from read_jsonl(f, id_prefix=id_prefix, **kw)
