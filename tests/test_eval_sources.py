@@ -93,3 +93,20 @@ def test_held_out_split_drops_copies_of_training_documents(split):
     assert [d["id"] for d in iter_source({**spec, "split": "train"})] == [
         i for i in ids if sides[i] == "train"
     ]
+
+
+def test_a_decoder_directory_without_tokenizer_files_takes_the_tokenizer_given(tmp_path):
+    """``--tokenizer`` is what a plain decoder directory without tokenizer files needs; its own tokenizer
+    was loaded first and failed before the one given was read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from cepe.eval.api import load_setup
+    from cepe.tiny import tiny_decoder
+
+    tiny_decoder().save_pretrained(tmp_path / "decoder")  # weights and config only
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    setup = load_setup(str(tmp_path / "decoder"), ["truncated"], tokenizer=str(tmp_path / "tok"))
+    assert setup.encode("a b a") == [1, 2, 1]

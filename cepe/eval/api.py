@@ -80,13 +80,10 @@ def load_setup(
             raise ValueError(f"{path} names no decoder; pass --tokenizer <decoder dir or hub id>")
         tok = load_tokenizer(name)  # also a recorded .gguf file
     else:
-        from cepe.assets import load_decoder
+        from cepe.assets import load_decoder_model, load_tokenizer
 
-        decoder, tok = load_decoder(model, dtype=torch_dtype)
-        if tokenizer:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(tokenizer)
+        decoder = load_decoder_model(model, dtype=torch_dtype)
+        tok = load_tokenizer(tokenizer or model)  # a decoder directory without tokenizer files: --tokenizer
         if "cepe" in methods:
             if not cepe_init:
                 raise ValueError(
