@@ -213,12 +213,13 @@ def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):
             "cepe.mix_copy": "true",
             "cepe.mix_copy_prob": "true",
         },
+        {"encoder.output_size": "16"},
     ],
 )
 def test_cost_model_counts_what_the_step_multiplies(tmp_path, extra):
     """The cost model against torch's FLOP counter on one tiny step (the counter sees the ``aten.mm`` of
     projections, MLPs and the head; the fused CPU attention kernel is not counted), also with the output
-    mixture, whole adapter or mixing head alone."""
+    mixture, whole adapter or mixing head alone, and with the encoder's down-projection (``output_size``)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from cepe.training.data import build_example, collate, window_source

@@ -384,9 +384,12 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     attn = 4 * causal_pairs(0, n) * dec.heads * dec.head_dim
     head = 2 * (n - 1) * dec.hidden * dec.vocab
     above = dec.layers - 1 - min(layers) if layers else 0
-    x_lin = len(layers) * (2 * n * 2 * dec.hidden * hq + 2 * s * 2 * enc.hidden * hkv)
+    d_state = int(model.cepe_config.encoder.state_size)  # Φ's width (after a down-projection, if any)
+    x_lin = len(layers) * (2 * n * 2 * dec.hidden * hq + 2 * s * 2 * d_state * hkv)
     x_att = len(layers) * 4 * n * s * dec.heads * dec.head_dim
     e_lin = 2 * s * enc.layers * enc.linear_params_per_layer
+    if model.cepe_config.encoder.output_size is not None:  # the down-projection D -> D_enc
+        e_lin += 2 * s * enc.hidden * d_state
     e_att = 4 * k * chunk * chunk * enc.heads * enc.head_dim * enc.layers
     fwd_lin = dec.layers * linear + head + x_lin + e_lin
     fwd_att = dec.layers * attn + x_att + e_att
@@ -404,7 +407,7 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         p.requires_grad for m in model.cross_attention_modules() for p in m.parameters()
     )
     x_q = len(layers) * 2 * n * 2 * dec.hidden * hq  # q_proj and o_proj on the decoder stream
-    x_kv = len(layers) * 2 * s * 2 * enc.hidden * hkv  # k_proj and v_proj on Φ
+    x_kv = len(layers) * 2 * s * 2 * d_state * hkv  # k_proj and v_proj on Φ
     x_bwd = x_q * (2 if x_weight_grad else 1) + x_kv * (int(enc_grad) + int(x_weight_grad))
     bwd_lin = above * linear + (mlp if layers else 0) + head + x_bwd + 2 * e_lin * int(enc_grad)
     bwd_att = above * 2 * attn + x_att * (2 if kv_grad else 1) + 2 * e_att * int(enc_grad)
