@@ -85,6 +85,7 @@ class _Region:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.meter.memory_source = "torch.cuda.max_memory_allocated"
+            self.allocated0 = torch.cuda.memory_allocated()  # what was resident before (the weights)
         else:
             reset = reset_peak_rss()
             self.meter.memory_source = "VmHWM (reset per region)" if reset else "VmHWM (process lifetime)"
@@ -96,7 +97,7 @@ class _Region:
         if self.cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-            delta = peak
+            delta = max(0, peak - self.allocated0)  # as on the CPU: above what was resident at the start
         else:
             peak = proc_status_bytes("VmHWM") or 0
             delta = max(0, peak - self.rss0)

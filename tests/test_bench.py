@@ -324,3 +324,21 @@ def test_a_failed_setting_is_reported_and_the_run_goes_on(tmp_path, monkeypatch)
     errors = [r for r in result["rows"] if r.get("error")]
     assert errors and all(r["method"] == "full" and "MemoryError" in r["error"] for r in errors)
     assert "error: MemoryError: out of memory" in format_report(result)
+
+
+def test_cuda_memory_delta_is_above_what_was_resident(monkeypatch):
+    """On CUDA the region's memory delta is its peak above the memory allocated when it began (the
+    weights), as on the CPU it is above the resident size; it was the absolute peak."""
+    from cepe.measure import Meter
+
+    allocated = {"now": 500 * 2**20}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocated["now"] + 64 * 2**20)
+    meter = Meter("cuda")
+    with meter.measure(10):
+        pass
+    got = meter.summary()
+    assert got["peak_memory_mb"] == 564.0 and got["rss_delta_mb"] == 64.0
