@@ -18,8 +18,9 @@ from zero has no relative size and is left blank). A config's verdict comes from
 cells: "better" when none is worse and one is better, "worse" the other way round, "mixed" with both,
 "same" with neither; the second metric's verdict is given beside it.
 The last line applies the replacement rule: no config worse or mixed, and at least one better; a
-validation config the base holds and the candidate lacks (an evaluation that failed or was not run) is
-named there and rules the replacement out until it is run.
+validation config the base holds and the candidate lacks (an evaluation that failed or was not run), or
+whose candidate result lacks some of the base's cells (a shorter run), is named there and rules the
+replacement out until it is run.
 
 Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
     [--method cepe] [--tolerance 0] [--out OUT]
@@ -122,13 +123,20 @@ def compare(base: Path, cand: Path, method: str, tolerance: float) -> list[dict[
     return rows
 
 
-def missing(base: Path, cand: Path) -> list[str]:
-    """Validation configs with results in ``base`` and none in ``cand``."""
-    return sorted(
-        p.name
-        for p in base.iterdir()
-        if VALIDATION.match(p.name) and any(p.glob("*.json")) and not any((cand / p.name).glob("*.json"))
-    )
+def missing(base: Path, cand: Path, method: str = "cepe") -> list[str]:
+    """Validation configs with results in ``base`` and none in ``cand``, and those whose candidate result
+    lacks some of the base's cells (a shorter run: named with the count), which are not compared whole."""
+    out = []
+    for p in sorted(base.iterdir()):
+        if not (VALIDATION.match(p.name) and any(p.glob("*.json"))):
+            continue
+        if not any((cand / p.name).glob("*.json")):
+            out.append(p.name)
+            continue
+        lacks = set(cells(result(p), method)) - set(cells(result(cand / p.name), method))
+        if lacks:
+            out.append(f"{p.name} (lacks {len(lacks)} of the base's cells, e.g. {sorted(lacks)[0]})")
+    return out
 
 
 def verdict_of(verdicts: set[str]) -> str:
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tolerance < 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     rows = compare(base, cand, args.method, args.tolerance)
-    absent = missing(base, cand)
+    absent = missing(base, cand, args.method)
     lines = report(rows, args.base, args.candidate, absent)
     print("\n".join(lines))
     if args.out:

@@ -137,3 +137,19 @@ def test_a_change_from_zero_has_no_relative_size_and_the_json_stays_standard(tmp
     out = tmp_path / "v"
     mod.main([str(cand), "--base", str(base), "--out", str(out)])
     assert "Infinity" not in out.with_suffix(".json").read_text()
+
+
+def test_a_candidate_result_lacking_cells_rules_the_replacement_out(tmp_path):
+    """A candidate evaluated on fewer cells (a shorter run: one context length of two) is not compared on
+    the cells it has alone: the config is named as not evaluated whole."""
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _folder(cand, (10.0, 7.5, 7.5), {(2048, 0.0): (100, 0.2)}, 7.5, 3.0, lm=(15, 12))
+    rows = json.loads((cand / "fixedppl_val_short/fixedppl.json").read_text())
+    rows["rows"] = [r for r in rows["rows"] if r["setting"]["context"] != 1024]  # 1K never ran
+    (cand / "fixedppl_val_short/fixedppl.json").write_text(json.dumps(rows))
+    absent = mod.missing(base, cand)
+    assert absent == ["fixedppl_val_short (lacks 1 of the base's cells, e.g. ppl, context 1024)"]
+    ok, line = mod.rule(mod.config_verdicts(mod.compare(base, cand, "cepe", 0.0)), absent)
+    assert not ok and "not evaluated: fixedppl_val_short (lacks 1" in line
