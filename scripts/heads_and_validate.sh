@@ -28,6 +28,17 @@ if [ -n "${WAIT_FOR:-}" ] && [ ! -f "configs/train/recipe/$WAIT_FOR.yaml" ]; the
 fi
 mkdir -p runs/recipe
 . scripts/pidfile.sh  # pid_running: a pid file's process, told from a later one given the same pid
+# a heads recipe the running chain lists (heads:NAME) is the chain's to run: a second run of it here would
+# hold the pid file when the chain reaches it, and the chain would stop there as failed
+if [ -z "${FOREGROUND:-}" ] && pid_running runs/recipe/chain.pid run_chain; then
+  for name in "$@"; do
+    if tr '\0' ' ' < "/proc/$(cat runs/recipe/chain.pid)/cmdline" 2>/dev/null | grep -qw -- "heads:$name"; then
+      echo "the running chain runs heads:$name itself when its reader is done (runs/recipe/chain.log);" \
+        "leave it to the chain" >&2
+      exit 2
+    fi
+  done
+fi
 if pid_running runs/recipe/heads.pid 'heads_and_validate\|pipeline'; then
   echo "heads_and_validate is running already (pid $(cat runs/recipe/heads.pid), log runs/recipe/heads.log)" >&2
   exit 2

@@ -693,3 +693,18 @@ def test_a_second_chain_is_refused_while_a_stage_of_the_first_runs(tmp_path):
     subprocess.run(start, cwd=root, check=True)  # the first has ended: the lock is free
     assert pidfile.read_text() != first
     _wait(pidfile)
+
+
+def test_a_heads_run_the_chain_lists_is_left_to_the_chain(tmp_path):
+    """``heads_and_validate.sh NAME`` beside a running chain that lists ``heads:NAME`` is refused: it would
+    hold the heads pid file when the chain reached that entry, and the chain would stop there as failed."""
+    root = _with_stand_in_cepe(tmp_path, 0)
+    shutil.copy(ROOT / "scripts/heads_and_validate.sh", root / "scripts/heads_and_validate.sh")
+    (root / "fakebin/cepe").write_text("#!/usr/bin/env bash\nsleep 3\nexit 143\n")
+    subprocess.run(["bash", "scripts/train_chain.sh", "fast_warmup", "heads:mix_fit16"], cwd=root, check=True)
+    heads = subprocess.run(
+        ["bash", "scripts/heads_and_validate.sh", "mix_fit16"], cwd=root, capture_output=True, text=True
+    )
+    assert heads.returncode == 2 and "runs heads:mix_fit16 itself" in heads.stderr
+    assert not (root / "runs/recipe/heads.pid").exists()
+    _wait(root / "runs/recipe/chain.pid")
