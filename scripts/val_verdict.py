@@ -19,8 +19,9 @@ cells: "better" when none is worse and one is better, "worse" the other way roun
 "same" with neither; the second metric's verdict is given beside it.
 The last line applies the replacement rule: no config worse or mixed, and at least one better; a
 validation config the base holds and the candidate lacks (an evaluation that failed or was not run), or
-whose candidate result lacks some of the base's cells (a shorter run), is named there and rules the
-replacement out until it is run.
+whose candidate result lacks some of the base's cells (a shorter run) or was computed in another dtype or
+autocast than the base's (where both record it: an AVX2 machine's fp32 against an AMX machine's bf16), is
+named there and rules the replacement out until it is run alike.
 
 Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
     [--method cepe] [--tolerance 0] [--out OUT]
@@ -133,9 +134,15 @@ def missing(base: Path, cand: Path, method: str = "cepe") -> list[str]:
         if not any((cand / p.name).glob("*.json")):
             out.append(p.name)
             continue
-        lacks = set(cells(result(p), method)) - set(cells(result(cand / p.name), method))
+        b, c = result(p), result(cand / p.name)
+        lacks = set(cells(b, method)) - set(cells(c, method))
         if lacks:
             out.append(f"{p.name} (lacks {len(lacks)} of the base's cells, e.g. {sorted(lacks)[0]})")
+            continue
+        for key in ("dtype", "autocast"):  # recorded since these fields exist: compared where both say
+            if key in b and key in c and b[key] != c[key]:
+                out.append(f"{p.name} (computed with {key} {c[key]}, the base with {b[key]})")
+                break
     return out
 
 

@@ -375,6 +375,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     )
     assert rc == 0
     assert (tmp_path / "out" / "lm.json").exists() and (tmp_path / "out" / "lm.png").exists()
+    written = json.loads((tmp_path / "out" / "lm.json").read_text())
+    assert (written["dtype"], written["autocast"]) == ("fp32", "none")  # what the numbers were computed in
     assert main(["eval", "lm", "--model", "tiny", "--config", str(tmp_path / "missing.yaml")]) == 2
 
 

@@ -153,3 +153,17 @@ def test_a_candidate_result_lacking_cells_rules_the_replacement_out(tmp_path):
     assert absent == ["fixedppl_val_short (lacks 1 of the base's cells, e.g. ppl, context 1024)"]
     ok, line = mod.rule(mod.config_verdicts(mod.compare(base, cand, "cepe", 0.0)), absent)
     assert not ok and "not evaluated: fixedppl_val_short (lacks 1" in line
+
+
+def test_a_candidate_computed_in_another_precision_rules_the_replacement_out(tmp_path):
+    """Where both results record it, a candidate evaluated in another autocast than the base (fp32 on an
+    AVX2 machine against the base's bf16) is not compared as if alike; results without it are compared."""
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _folder(cand, (10.0, 7.5, 7.5), {(2048, 0.0): (100, 0.2)}, 7.5, 3.0, lm=(15, 12))
+    assert mod.missing(base, cand) == []
+    for root, autocast in ((base, "bfloat16"), (cand, "none")):
+        path = root / "qa_val/qa.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "dtype": "fp32", "autocast": autocast}))
+    assert mod.missing(base, cand) == ["qa_val (computed with autocast none, the base with bfloat16)"]

@@ -176,6 +176,9 @@ def run_eval(
             "config": config,
             "seed": run.seed,
             "device": cpu_count_note() if device == "cpu" else device,
+            # what the numbers were computed in: the weights' dtype and the autocast (none: the weights')
+            "dtype": run.dtype,
+            "autocast": str(setup.autocast_dtype).removeprefix("torch.") if setup.autocast_dtype else "none",
             **({"context_scale": run.context_scale} if run.context_scale is not None else {}),
         }
     )
