@@ -376,6 +376,7 @@ class CepeForCausalLM(nn.Module):
         if self.mix_head is None:
             like = next(self.decoder.parameters())
             self.mix_head = mix_head(head_inputs(d, match, hidden, length, agree), like)
+            c.mix_hash = "exact"  # new heads, fitted on the exact suffix inputs
         elif (length and not c.mix_length) or (agree and not c.mix_agree):  # more inputs, zero weights
             old = head_inputs(d, match, hidden, c.mix_length, c.mix_agree)
             new = head_inputs(d, match, hidden, length or c.mix_length, agree or c.mix_agree)
@@ -467,6 +468,7 @@ class CepeForCausalLM(nn.Module):
             "mix_copy",
             *COPY_HEAD_INPUTS,
             "mix_copy_decay",
+            "mix_hash",  # a mixture added later (heads fitted anew) hashes exactly
         )
         for name in names:
             setattr(self.cepe_config, name, defaults[name].default)

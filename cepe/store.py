@@ -96,6 +96,18 @@ def _sha256_tensor(h: Any, name: str, t: torch.Tensor | np.ndarray) -> None:
     h.update(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
 
 
+def fingerprint_config(cepe_config) -> dict[str, Any]:
+    """The config fields an adapter's fingerprint hashes: those that define its function (not the runtime
+    ``_RUNTIME_FIELDS``), without ``mix_hash`` where it has the value a config saved before the field
+    existed loads with (``wrap`` with suffix matches, ``exact`` without; it acts only with them), so that
+    stores written before keep their adapters' fingerprints."""
+    cfg = {k: v for k, v in cepe_config.to_dict().items() if k not in _RUNTIME_FIELDS}
+    legacy = "wrap" if cfg.get("output_mix") and cfg.get("mix_match") else "exact"
+    if cfg.get("mix_hash") == legacy:
+        del cfg["mix_hash"]
+    return cfg
+
+
 def adapter_fingerprint(model) -> str:
     """SHA-256 (first 16 hex digits) of a CEPE model's added weights and of the config fields that define
     its function (runtime choices such as the cache mode are left out).
@@ -103,8 +115,7 @@ def adapter_fingerprint(model) -> str:
     Kept on the model until its added weights change: any in-place write to them (a training step,
     ``load_adapter_state_dict``) bumps their version counters, a replaced or added tensor changes their
     storage or names, and either makes the next call hash again."""
-    cfg = {k: v for k, v in model.cepe_config.to_dict().items() if k not in _RUNTIME_FIELDS}
-    text = json.dumps(cfg, sort_keys=True)
+    text = json.dumps(fingerprint_config(model.cepe_config), sort_keys=True)
     state = model.adapter_state_dict()
     key = (
         text,

@@ -102,8 +102,16 @@ class ContextSlot:
         self.decoder_mask: torch.Tensor | None = None  # the running call's 2-D decoder padding mask
         self.lead_pad: torch.Tensor | None = None  # (B,) a generate call's left padding per prompt row
         self.lead_doubled = False  # its decoder batch holds each row twice (the output mixture)
+        self._pad: tuple[tuple[int, int, int], torch.Tensor | None] | None = None  # this call's answer
 
     def query_pad(self, rows: int, t: int) -> torch.Tensor | None:
+        """See :meth:`_query_pad`; computed once per decoder call and shape (every layer asks the same)."""
+        key = (rows, t, self.past)
+        if self._pad is None or self._pad[0] != key:
+            self._pad = (key, self._query_pad(rows, t))
+        return self._pad[1]
+
+    def _query_pad(self, rows: int, t: int) -> torch.Tensor | None:
         """``(rows, t)`` bool, True on the running call's padding columns, or None when it has none: in a
         ``generate`` call, the positions before each row's first prompt token (:attr:`lead_pad`, rows
         repeated for beams and samples, twice with the output mixture), whatever form the decoder's own
@@ -230,6 +238,7 @@ class PastTap:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         length = getattr(cache, "get_seq_length", None)
         self.slot.past = int(length()) if callable(length) else 0
+        self.slot._pad = None  # a new decoder call: its padding is asked afresh
         mask = kwargs.get("attention_mask")
         self.slot.decoder_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
@@ -261,7 +270,9 @@ class CrossAdd:
             return None  # no context: the layer is exactly the decoder's
         if residual is None:
             raise RuntimeError("cepe: the residual stream was not recorded before cross-attention")
-        pad = self.slot.query_pad(branch.shape[0], branch.shape[1])
+        pad = None  # only what reads across positions needs the padding columns (once per decoder call)
+        if cross.induction_gate is not None or cross.run_bias is not None:
+            pad = self.slot.query_pad(branch.shape[0], branch.shape[1])
         update = cross(residual + branch, ctx, past=self.slot.past, pad=pad)
         branch = branch + update
         return (branch, *output[1:]) if is_tuple else branch

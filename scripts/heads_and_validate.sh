@@ -31,8 +31,9 @@ mkdir -p runs/recipe
 # a heads recipe the running chain lists (heads:NAME) is the chain's to run: a second run of it here would
 # hold the pid file when the chain reaches it, and the chain would stop there as failed
 if [ -z "${FOREGROUND:-}" ] && pid_running runs/recipe/chain.pid run_chain; then
-  for name in "$@"; do
-    if tr '\0' ' ' < "/proc/$(cat runs/recipe/chain.pid)/cmdline" 2>/dev/null | grep -qw -- "heads:$name"; then
+  for name in "$@"; do  # (one the chain has judged already may be run again here, e.g. a failed evaluation)
+    if [ ! -f "results/recipe/$name/val_verdict.md" ] &&
+      tr '\0 ' '\n\n' < "/proc/$(cat runs/recipe/chain.pid)/cmdline" 2>/dev/null | grep -qxF -- "heads:$name"; then
       echo "the running chain runs heads:$name itself when its reader is done (runs/recipe/chain.log);" \
         "leave it to the chain" >&2
       exit 2

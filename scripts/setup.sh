@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# a venv whose creation stopped early (no pip or no activate script: python3-venv missing, a kill) is
-# made again rather than left to fail at every later run
-if [ ! -f .venv/bin/activate ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+# a venv whose creation stopped early (no activate script, or a python that does not run: python3-venv
+# missing, a kill) is made again rather than left to fail at every later run; a working one is kept
+if [ ! -f .venv/bin/activate ] || ! .venv/bin/python -c "" >/dev/null 2>&1; then
   "$PY" -m venv --clear .venv
 fi
 . .venv/bin/activate

@@ -13,8 +13,9 @@ ruff format --check .
 # ran and their durations, instead of stalling it): the whole run is meant to take under 20 minutes.
 tier() {
     local rc=0
-    timeout --signal=INT --kill-after=60 "${CEPE_TEST_BUDGET:-1500}" python -m pytest -q -x --durations=15 "$@" ||
-        rc=$?
+    # --foreground: pytest stays in the terminal's process group, so Ctrl-C still stops it
+    timeout --foreground --signal=INT --kill-after=60 "${CEPE_TEST_BUDGET:-1500}" \
+        python -m pytest -q -x --durations=15 "$@" || rc=$?
     [ "$rc" != 124 ] || echo "tests: a tier ran past its ${CEPE_TEST_BUDGET:-1500} s budget" >&2
     return "$rc"
 }

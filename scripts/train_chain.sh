@@ -26,7 +26,8 @@ mkdir -p runs/recipe
 # one chain at a time: the lock is held by the chain's process and every stage it starts (fd 9 is inherited),
 # so it also holds while a stage outlives a killed chain, and from the first check on (no gap before the pid)
 exec 9>> runs/recipe/chain.lock
-if ! flock -n 9 || pid_running runs/recipe/chain.pid run_chain; then
+locked() { ! command -v flock >/dev/null || flock -n 9; }  # without flock (not Linux): the pid file alone
+if ! locked || pid_running runs/recipe/chain.pid run_chain; then
   pid=$(cat runs/recipe/chain.pid 2>/dev/null || echo "gone; its stage runs on: pgrep -af 'cepe train'")
   echo "a chain is running already (pid $pid, log runs/recipe/chain.log): two would train the same stages" \
     "at once; wait for it, or stop it first (kill the chain and its stage: pgrep -af 'train_chain|cepe train')" >&2

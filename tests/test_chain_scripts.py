@@ -707,4 +707,14 @@ def test_a_heads_run_the_chain_lists_is_left_to_the_chain(tmp_path):
     )
     assert heads.returncode == 2 and "runs heads:mix_fit16 itself" in heads.stderr
     assert not (root / "runs/recipe/heads.pid").exists()
+    # one the chain has judged already may be run again (a failed evaluation fixed); a name that only
+    # begins like a listed one is not the chain's
+    (root / "results/recipe/mix_fit16").mkdir(parents=True)
+    (root / "results/recipe/mix_fit16/val_verdict.md").write_text("judged\n")
+    for name in ("mix_fit16", "mix_fit1"):
+        again = subprocess.run(
+            ["bash", "scripts/heads_and_validate.sh", name], cwd=root, capture_output=True, text=True
+        )
+        assert again.returncode == 0 and "itself" not in again.stderr
+        _wait(root / "runs/recipe/heads.pid")
     _wait(root / "runs/recipe/chain.pid")

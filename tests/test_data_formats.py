@@ -123,17 +123,23 @@ def test_compressed_files_are_refused_not_read_as_text(tmp_path: Path) -> None:
     assert [x["text"] for x in read_path(ok)] == ["hi"]
 
 
-def test_directory_default_ids_are_unique_and_mixed_directories_refused(tmp_path: Path) -> None:
-    """Records without ids in files of one directory get ids from each file's path there (``train/part-0``
-    and ``extra/part-0`` once collided as ``part-0/1``, and so did ``data.1`` and ``data.2``); a directory
-    that also holds text or ``.json`` files, which would be left out, is refused naming them."""
+def test_directory_default_ids_are_unique_and_text_beside_records_is_named(tmp_path: Path) -> None:
+    """Records without ids in files of one directory keep their file's default prefix where it is unique;
+    files that share one (``train/part-0`` and ``extra/part-0``, ``data.1`` and ``data.2``: all once
+    ``part-0/1`` or ``data/1``) take their path there. Text files beside records are left out with a
+    warning naming them; a README is not warned of."""
     d = tmp_path / "corpus"
-    for rel in ("train/part-0.jsonl", "extra/part-0.jsonl", "data.1.jsonl", "data.2.jsonl"):
+    for rel in ("train/part-0.jsonl", "extra/part-0.jsonl", "data.1.jsonl", "data.2.jsonl", "solo.jsonl"):
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / rel).write_text(json.dumps({"text": f"from {rel}"}) + "\n")
-    ids = [x["id"] for x in read_path(d)]
-    assert sorted(ids) == ["data.1/1", "data.2/1", "extra/part-0/1", "train/part-0/1"]
+    (d / "README.md").write_text("# a dataset card")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids = [x["id"] for x in read_path(d)]
+    assert sorted(ids) == ["data.1/1", "data.2/1", "extra/part-0/1", "solo/1", "train/part-0/1"]
     assert [x["id"] for x in read_path(d / "data.1.jsonl")] == ["data/1"]  # a file alone: as before
     (d / "notes.txt").write_text("a note")
-    with pytest.raises(ValueError, match=r"holds record files .* and other documents too \(notes.txt\)"):
-        list(read_path(d))
+    with pytest.warns(UserWarning, match=r"text files too \(notes.txt\): only the records are read"):
+        assert len(list(read_path(d))) == 5

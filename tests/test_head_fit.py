@@ -483,3 +483,36 @@ def test_held_out_scores_by_kind_and_context_length():
     assert alone["lm_by_length"]["7K+"] == pytest.approx(
         float(-stats.lp_dec[lm & (ctx == 8192)].double().mean()), rel=1e-9
     )
+
+
+def test_records_of_the_old_suffix_hash_are_not_fitted_for_the_new(tmp_path):
+    """Records hold the suffix inputs: a records folder written before the hash fix (its note says no
+    ``mix_hash``: the old hash) is refused for heads that will run on the exact hash; dropping a mixture
+    and adding one anew hashes exactly; a store's fingerprint leaves out the hash a config saved before
+    the field loads with."""
+    from cepe.config import CepeConfig
+    from cepe.store import fingerprint_config
+    from cepe.training.head_fit import RECORDS_FILE
+    from cepe.training.models import build_model
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, init_adapter=str(_reader(tmp_path)))))
+    cfg = load_config(str(recipe))
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    note = {"recipe": cfg.output_dir, "fingerprint": cfg.fingerprint(), "bf16": False}
+    (stats / RECORDS_FILE).write_text(json.dumps(note))
+    with pytest.raises(ValueError, match="suffix hash wrap.*suffix hash exact"):
+        run_head_fit(HeadFitConfig(recipe=str(recipe), records=str(stats), progress=False))
+    model = build_model(cfg)
+    model.cepe_config.mix_hash = "wrap"
+    model.disable_output_mix()
+    assert model.cepe_config.mix_hash == "exact"
+    model.cepe_config.mix_hash = "wrap"  # a reader dropped from a wrap adapter before the fix
+    model.enable_output_mix(3, False)
+    assert model.cepe_config.mix_hash == "exact"
+    saved = {k: v for k, v in model.cepe_config.to_dict().items() if k != "mix_hash"}  # before the field
+    assert "mix_hash" not in fingerprint_config(CepeConfig.from_dict(saved))  # loads as wrap: left out
+    assert fingerprint_config(CepeConfig.from_dict({**saved, "mix_hash": "exact"}))["mix_hash"] == "exact"
+    model.disable_output_mix()  # no mixture: the hash does nothing and is left out
+    assert "mix_hash" not in fingerprint_config(model.cepe_config)

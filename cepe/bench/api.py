@@ -91,8 +91,11 @@ def run_benchmark(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        plot(result, out / "bench.png")
-        write_json(result, out / "bench.json")  # last: the run's record once its plot is there
+        try:
+            plot(result, out / "bench.png")
+        except Exception as err:  # noqa: BLE001 - matplotlib missing, a full disk: the numbers are kept
+            log(f"bench.png not written: {type(err).__name__}: {err}")
+        write_json(result, out / "bench.json")  # last: the run's record, whatever became of its plot
     return result
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -230,8 +232,8 @@ def read_path(
     ``*.parquet`` -> :func:`read_parquet`, any other file or a directory -> :func:`read_text`.
 
     A directory of ``*.jsonl`` / ``*.parquet`` files is read file by file in sorted order (a record without
-    an id is ``<file's path there, without its suffix>/<line or row>``); one that also holds text or
-    ``.json`` files is refused, since those would be left out.
+    an id is ``<file name up to its first dot>/<line or row>``, or where two files share that name, the
+    file's path there); text files beside them are left out, with a warning.
 
     Raises:
         ValueError: ``path`` does not exist.
@@ -250,16 +252,20 @@ def read_path(
             other = sorted(
                 f.relative_to(p).as_posix()
                 for f in p.rglob("*")
-                if f.is_file() and (f.suffix in TEXT_SUFFIXES or f.name.lower().endswith(".json"))
+                if f.is_file()
+                and f.suffix in TEXT_SUFFIXES
+                and not f.name.upper().startswith(("README", "LICENSE"))
             )
-            if other:
-                raise ValueError(
-                    f"directory {p} holds record files (.jsonl / .parquet) and other documents too "
-                    f"({', '.join(other[:3])}{' ...' if len(other) > 3 else ''}), which would be left out: "
-                    "give each kind as its own input (a file or a directory of one kind)"
+            if other:  # (a dataset's README and licence are no documents)
+                warnings.warn(
+                    f"directory {p} holds record files (.jsonl / .parquet) and text files too "
+                    f"({', '.join(other[:3])}{' ...' if len(other) > 3 else ''}): only the records are read; "
+                    "give the text files as an input of their own",
+                    stacklevel=2,
                 )
+            prefixes = _id_prefixes(tabular, p)
             for f in tabular:  # a record's own domain kept; the directory's name for those without one
-                yield from _read_tabular(f, text_field, id_field, domain, p.name, _id_prefix(f, p))
+                yield from _read_tabular(f, text_field, id_field, domain, p.name, prefixes[f])
             return
         yield from read_text(p, domain=domain)
     elif name.endswith((".jsonl", ".jsonl.gz")):
@@ -286,14 +292,24 @@ _PACKED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4")
 """File endings read_path refuses rather than read as text (``.jsonl.gz`` is read)."""
 
 
-def _id_prefix(f: Path, root: Path) -> str:
-    """The default id prefix of a record file ``f`` in the directory ``root``: its path there without its
-    record suffix (``sub/part-0`` for ``sub/part-0.jsonl``), unique among the directory's files."""
-    rel = f.relative_to(root).as_posix()
-    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
-        if rel.lower().endswith(suffix):
-            return rel[: -len(suffix)]
-    return rel
+def _id_prefixes(files: list[Path], root: Path) -> dict[Path, str]:
+    """The default id prefix of each record file of the directory ``root``: the file's own default (its
+    name up to the first dot; a parquet file's stem), or where two files share that, its path there
+    without its record suffix (``sub/part-0`` for ``sub/part-0.jsonl``), so that ids stay unique and
+    files that never collided keep the ids (and the document split) they had."""
+
+    def own(f: Path) -> str:
+        return f.stem if f.name.lower().endswith(".parquet") else f.name.split(".")[0]
+
+    def path_of(f: Path) -> str:
+        rel = f.relative_to(root).as_posix()
+        for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+            if rel.lower().endswith(suffix):
+                return rel[: -len(suffix)]
+        return rel
+
+    counts = Counter(own(f) for f in files)
+    return {f: own(f) if counts[own(f)] == 1 else path_of(f) for f in files}
 
 
 def _read_tabular(

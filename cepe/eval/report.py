@@ -147,6 +147,20 @@ def _save(fig: Any, path: Path, **kwargs: Any) -> None:
         fig.savefig(tmp, format="png", dpi=120, **kwargs)
 
 
+def _plotted(draw: Any, *args: Any) -> Path | None:
+    """``draw(*args)``'s plot, or None with a warning where drawing fails (matplotlib missing, a full
+    disk): the plots come after the numbers, which are written whatever happens to them."""
+    import warnings
+
+    try:
+        return draw(*args)
+    except Exception as err:  # noqa: BLE001 - any plotting failure, named in the warning
+        warnings.warn(
+            f"plot {args[-2] if len(args) > 1 else ''} not written: {type(err).__name__}: {err}", stacklevel=2
+        )
+        return None
+
+
 def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None = None) -> dict[str, str]:
     """Write ``<task>.json``, ``<task>.md`` and (with ``x_key``) ``<task>.png`` into ``out_dir``.
 
@@ -163,22 +177,24 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
     # each written atomically, the JSON (what scripts take as the evaluation's being done) last
     fileio.write_text(paths["markdown"], markdown_table(result))
     if x_key:
-        p = plot_lines(result, x_key, out / f"{task}.png")
+        p = _plotted(plot_lines, result, x_key, out / f"{task}.png", None)
         if p is not None:
             paths["plot"] = str(p)
     if result.get("heatmaps"):
         hp = out / f"{task}_heatmap.png"
-        plot_heatmap_panels(
+        args = (
             result["heatmaps"],
             list(result["totals"]),
             list(result["heatmap_rows"]),
             hp,
             f"{task}: accuracy %",
         )
-        paths["heatmap"] = str(hp)
+        if _plotted(plot_heatmap_panels, *args) is not None:
+            paths["heatmap"] = str(hp)
     for method, grid in (result.get("grids") or {}).items():
         hp = out / f"{task}_{method}.png"
-        plot_heatmap(grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")
-        paths[f"heatmap_{method}"] = str(hp)
+        args = (grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")
+        if _plotted(plot_heatmap, *args) is not None:
+            paths[f"heatmap_{method}"] = str(hp)
     fileio.write_text(paths["json"], json.dumps(result, indent=2, default=str))
     return paths

@@ -330,15 +330,24 @@ def record(
     dev = next(model.parameters()).device
     use_bf16 = resolve_bf16(cfg.bf16, dev)
     stats_dir.mkdir(parents=True, exist_ok=True)
-    what = {"recipe": cfg.output_dir, "fingerprint": cfg.fingerprint(), "bf16": use_bf16}
+    mix_hash = str(model.cepe_config.mix_hash)  # the suffix inputs' hash (records hold those inputs)
+    what = {
+        "recipe": cfg.output_dir,
+        "fingerprint": cfg.fingerprint(),
+        "bf16": use_bf16,
+        "mix_hash": mix_hash,
+    }
     note = stats_dir / RECORDS_FILE
     if note.exists():
         had = json.loads(note.read_text())
-        if {k: had.get(k) for k in ("fingerprint", "bf16")} != {k: what[k] for k in ("fingerprint", "bf16")}:
+        had.setdefault("mix_hash", "wrap")  # records made before the hash fix hold its inputs
+        keys = ("fingerprint", "bf16", "mix_hash")
+        if {k: had.get(k) for k in keys} != {k: what[k] for k in keys}:
             raise ValueError(
                 f"{stats_dir} holds the records of {had.get('recipe')} (fingerprint {had.get('fingerprint')}, "
-                f"bf16 {had.get('bf16')}), not of this recipe ({what['fingerprint']}, bf16 {use_bf16}): give "
-                "another records folder (or output_dir)"
+                f"bf16 {had.get('bf16')}, suffix hash {had['mix_hash']}), not of this recipe "
+                f"({what['fingerprint']}, bf16 {use_bf16}, suffix hash {mix_hash}): give another records "
+                "folder (or output_dir), or remove these records to make them again"
             )
     else:
         write_json(note, what, indent=1)
