@@ -15,6 +15,8 @@
 # rules the replacement out); any other error stops the pipeline with a line in the log.
 # Log: runs/recipe/heads.log; pid: runs/recipe/heads.pid. Pause it for other work as the chain
 # (kill -STOP / -CONT on the running `cepe` process).
+# An evaluation that failed is not run again on the same adapter at every rerun (the chain reruns its heads
+# entries at each restart): RETRY=1 runs it again.
 # FOREGROUND=1 runs the same pipeline in the foreground and exits with its status (the chain's
 # `heads:NAME` entries do this, so that heads and the next stage never share the cores).
 set -euo pipefail
@@ -80,8 +82,14 @@ pipeline() {
       log "$name: export int8"
       cepe export --model "$fit/adapter" --out "$fit/int8" --quantize int8 >> "runs/recipe/$name-fit.log" 2>&1
     fi
+    # the adapter evaluated: an evaluation that failed on it is not run again at every rerun (RETRY=1 does)
+    local stamp; stamp=$(stat -c '%n %y %s' "$fit/int8/"* 2>/dev/null | sort)
     for cfg in $VAL; do
       if ! ls "$res/$cfg/"*.json > /dev/null 2>&1; then
+        if [ -z "${RETRY:-}" ] && [ -f "$res/$cfg.failed" ] && [ "$(cat "$res/$cfg.failed")" = "$stamp" ]; then
+          log "$name: $cfg failed before on this adapter ($res/$cfg.log); not run again (RETRY=1 runs it)"
+          continue
+        fi
         log "$name: $cfg"
         # one evaluation that fails does not stop the others; the verdict names it as not evaluated
         rc=0
@@ -89,7 +97,12 @@ pipeline() {
         if [ $rc -gt 128 ]; then  # stopped by a signal: stop too (the chain then stops, to be run again)
           log "$name: $cfg stopped by signal $((rc - 128))"; exit $rc
         fi
-        [ $rc -eq 0 ] || log "$name: $cfg failed ($res/$cfg.log); going on, rerun this command once it is fixed"
+        if [ $rc -eq 0 ]; then
+          rm -f "$res/$cfg.failed"
+        else
+          mkdir -p "$res" && printf '%s\n' "$stamp" > "$res/$cfg.failed"
+          log "$name: $cfg failed ($res/$cfg.log); going on, rerun with RETRY=1 once it is fixed"
+        fi
       fi
     done
     python scripts/val_verdict.py "$res" --out "results/recipe/$name/val_verdict" | tail -1

@@ -718,3 +718,32 @@ def test_a_heads_run_the_chain_lists_is_left_to_the_chain(tmp_path):
         assert again.returncode == 0 and "itself" not in again.stderr
         _wait(root / "runs/recipe/heads.pid")
     _wait(root / "runs/recipe/chain.pid")
+
+
+def test_a_failed_evaluation_is_not_run_again_on_the_same_adapter_without_retry(tmp_path):
+    """The chain reruns its heads entries at every restart: an evaluation that failed on this adapter is
+    skipped then (it could cost the same minutes each time), run again with RETRY=1, and again on its own
+    once the adapter is exported anew."""
+    root, fake, calls = _heads_tree(tmp_path, "FAIL_EVAL=fixedppl_val_short_kernel")
+    run = ["bash", "scripts/heads_and_validate.sh", "mix_fit14"]
+
+    def evals(env=None) -> list[str]:
+        if calls.exists():
+            calls.unlink()
+        proc = subprocess.run(run, cwd=root, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        _wait(root / "runs/recipe/heads.pid", 120)
+        return (
+            [c for c in calls.read_text().splitlines() if c.startswith("cepe eval")] if calls.exists() else []
+        )
+
+    assert len(evals()) == 9
+    assert evals() == []
+    assert (
+        "fixedppl_val_short_kernel failed before on this adapter"
+        in (root / "runs/recipe/heads.log").read_text()
+    )
+    assert len(evals({**os.environ, "RETRY": "1"})) == 1
+    shutil.rmtree(root / "runs/recipe/mix_fit14-fit/int8")  # exported anew
+    time.sleep(0.01)
+    assert len(evals()) == 1
