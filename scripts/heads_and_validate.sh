@@ -43,8 +43,13 @@ if [ -z "${FOREGROUND:-}" ] && pid_running runs/recipe/chain.pid run_chain; then
   done
 fi
 if pid_running runs/recipe/heads.pid 'heads_and_validate\|pipeline'; then
-  echo "heads_and_validate is running already (pid $(cat runs/recipe/heads.pid), log runs/recipe/heads.log)" >&2
-  exit 2
+  if [ -z "${FOREGROUND:-}" ]; then
+    echo "heads_and_validate is running already (pid $(cat runs/recipe/heads.pid), log runs/recipe/heads.log)" >&2
+    exit 2
+  fi
+  # the chain's own entry: wait for the other run (a rerun started by hand), then do what is left
+  echo "$(date -u +%FT%TZ) waiting for the running heads run (pid $(cat runs/recipe/heads.pid))" >> runs/recipe/heads.log
+  while pid_running runs/recipe/heads.pid 'heads_and_validate\|pipeline'; do sleep 10; done
 fi
 # jemalloc where there is one (a preload the chain passes down stays): the heads fit purges its kept pages
 # after each recorded step and the evaluations after each item, as training does after each step
@@ -83,7 +88,7 @@ pipeline() {
       cepe export --model "$fit/adapter" --out "$fit/int8" --quantize int8 >> "runs/recipe/$name-fit.log" 2>&1
     fi
     # the adapter evaluated: an evaluation that failed on it is not run again at every rerun (RETRY=1 does)
-    local stamp; stamp=$(stat -c '%n %y %s' "$fit/int8/"* 2>/dev/null | sort)
+    local stamp; stamp=$(LC_ALL=C stat -c '%n %.9Y %s' "$fit/int8/"* 2>/dev/null | LC_ALL=C sort)
     for cfg in $VAL; do
       if ! ls "$res/$cfg/"*.json > /dev/null 2>&1; then
         if [ -z "${RETRY:-}" ] && [ -f "$res/$cfg.failed" ] && [ "$(cat "$res/$cfg.failed")" = "$stamp" ]; then

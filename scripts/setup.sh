@@ -11,7 +11,8 @@ if [ ! -f .venv/bin/activate ] || ! .venv/bin/python -c "" >/dev/null 2>&1; then
   "$PY" -m venv --clear .venv
 fi
 . .venv/bin/activate
-pip_q() { pip install --disable-pip-version-check -q "$@"; }
+python -m pip --version >/dev/null 2>&1 || python -m ensurepip -q  # a venv made without pip
+pip_q() { python -m pip install --disable-pip-version-check -q "$@"; }  # this venv's pip, never another
 # TORCH_INDEX: an index to take torch from (e.g. https://download.pytorch.org/whl/cpu for the CPU build
 # where the default index serves PyPI's CUDA build); default: the configured index
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}

@@ -13,8 +13,11 @@ ruff format --check .
 # ran and their durations, instead of stalling it): the whole run is meant to take under 20 minutes.
 tier() {
     local rc=0
-    # --foreground: pytest stays in the terminal's process group, so Ctrl-C still stops it
-    timeout --foreground --signal=INT --kill-after=60 "${CEPE_TEST_BUDGET:-1500}" \
+    # from a terminal, --foreground keeps pytest in its process group, so Ctrl-C still stops it; elsewhere
+    # (CI) timeout runs it in a group of its own, whose every process a timeout ends
+    local fg=()
+    [ -t 0 ] && fg=(--foreground)
+    timeout "${fg[@]}" --signal=INT --kill-after=60 "${CEPE_TEST_BUDGET:-1500}" \
         python -m pytest -q -x --durations=15 "$@" || rc=$?
     [ "$rc" != 124 ] || echo "tests: a tier ran past its ${CEPE_TEST_BUDGET:-1500} s budget" >&2
     return "$rc"

@@ -747,3 +747,24 @@ def test_a_failed_evaluation_is_not_run_again_on_the_same_adapter_without_retry(
     shutil.rmtree(root / "runs/recipe/mix_fit14-fit/int8")  # exported anew
     time.sleep(0.01)
     assert len(evals()) == 1
+
+
+def test_the_chains_heads_entry_waits_for_a_heads_run_started_by_hand(tmp_path):
+    """The chain's ``heads:NAME`` entry (FOREGROUND=1) beside a heads run started by hand (a rerun with
+    RETRY=1, say) waits for it, then does what is left: it stopped the chain as failed."""
+    root, _, calls = _heads_tree(tmp_path)
+    other = subprocess.Popen(["bash", "-c", "sleep 2; true", "pipeline"])  # a heads run's command line
+    (root / "runs/recipe/heads.pid").write_text(str(other.pid))
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "scripts/heads_and_validate.sh", "mix_fit14"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FOREGROUND": "1"},
+    )
+    other.wait()
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started >= 1.5
+    log = (root / "runs/recipe/heads.log").read_text()
+    assert "waiting for the running heads run" in log and "mix_fit14: done" in log

@@ -140,6 +140,17 @@ def test_directory_default_ids_are_unique_and_text_beside_records_is_named(tmp_p
         ids = [x["id"] for x in read_path(d)]
     assert sorted(ids) == ["data.1/1", "data.2/1", "extra/part-0/1", "solo/1", "train/part-0/1"]
     assert [x["id"] for x in read_path(d / "data.1.jsonl")] == ["data/1"]  # a file alone: as before
-    (d / "notes.txt").write_text("a note")
-    with pytest.warns(UserWarning, match=r"text files too \(notes.txt\): only the records are read"):
+    (d / "dataset_info.json").write_text("{}")  # metadata: no warning either
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert len(list(read_path(d))) == 5
+    (d / "notes.txt").write_text("a note")
+    (d / "more.json").write_text("[]")
+    with pytest.warns(
+        UserWarning, match=r"text files too \(more.json, notes.txt\): only the records are read"
+    ):
+        assert len(list(read_path(d))) == 5
+    (d / "solo.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": "zipped"}).encode() + b"\n"))
+    with pytest.warns(UserWarning):
+        ids = [x["id"] for x in read_path(d)]
+    assert len(ids) == len(set(ids)) and {"solo.jsonl/1", "solo.jsonl.gz/1"} <= set(ids)

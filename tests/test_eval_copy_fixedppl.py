@@ -287,6 +287,7 @@ def test_a_report_whose_plot_fails_keeps_its_numbers(setup, tmp_path, monkeypatc
         open(fname, "wb").write(b"\x89PNG half")
         raise OSError("disk full")
 
+    (tmp_path / "fixedppl.png").write_bytes(b"\x89PNG an earlier run's")  # not left beside new numbers
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", broken)
     with pytest.warns(UserWarning, match="not written: OSError: disk full"):
         paths = write_report(result, tmp_path, x_key=result.get("plot_x"))

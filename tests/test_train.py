@@ -303,7 +303,7 @@ def test_offline_teacher_checks_its_shards_corpus_and_vocabulary(tmp_path, monke
     wide = models.build_decoder(cfg)
     wide.resize_token_embeddings(wide.config.vocab_size + 64)
     monkeypatch.setattr(models, "build_decoder", lambda *a, **k: wide)
-    with pytest.raises(ValueError, match="must share the student's tokenizer"):
+    with pytest.raises(ValueError, match="must have the student's tokenizer and vocabulary size"):
         run_teacher(_ceped_cfg(tmp_path / "v", steps=2), progress=False)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="data.synthetic_vocab is 1000"):

@@ -94,6 +94,7 @@ def run_benchmark(
         try:
             plot(result, out / "bench.png")
         except Exception as err:  # noqa: BLE001 - matplotlib missing, a full disk: the numbers are kept
+            (out / "bench.png").unlink(missing_ok=True)  # not an earlier run's plot beside these numbers
             log(f"bench.png not written: {type(err).__name__}: {err}")
         write_json(result, out / "bench.json")  # last: the run's record, whatever became of its plot
     return result

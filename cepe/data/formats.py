@@ -20,6 +20,7 @@ from typing import Any
 from cepe.data.corpora import Document, read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".tex")
+_DATASET_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})  # no documents
 """File suffixes :func:`read_text` picks up when given a directory (override with ``suffixes``)."""
 
 
@@ -233,7 +234,8 @@ def read_path(
 
     A directory of ``*.jsonl`` / ``*.parquet`` files is read file by file in sorted order (a record without
     an id is ``<file name up to its first dot>/<line or row>``, or where two files share that name, the
-    file's path there); text files beside them are left out, with a warning.
+    file's path there); text and ``.json`` files beside them are left out, with a warning (a dataset's
+    README, licence and metadata files silently).
 
     Raises:
         ValueError: ``path`` does not exist.
@@ -253,8 +255,9 @@ def read_path(
                 f.relative_to(p).as_posix()
                 for f in p.rglob("*")
                 if f.is_file()
-                and f.suffix in TEXT_SUFFIXES
+                and (f.suffix in TEXT_SUFFIXES or f.suffix == ".json")
                 and not f.name.upper().startswith(("README", "LICENSE"))
+                and f.name not in _DATASET_METADATA
             )
             if other:  # (a dataset's README and licence are no documents)
                 warnings.warn(
@@ -309,7 +312,9 @@ def _id_prefixes(files: list[Path], root: Path) -> dict[Path, str]:
         return rel
 
     counts = Counter(own(f) for f in files)
-    return {f: own(f) if counts[own(f)] == 1 else path_of(f) for f in files}
+    prefix = {f: own(f) if counts[own(f)] == 1 else path_of(f) for f in files}
+    again = Counter(prefix.values())  # x.jsonl beside x.parquet: their paths without suffixes still meet
+    return {f: v if again[v] == 1 else f.relative_to(root).as_posix() for f, v in prefix.items()}
 
 
 def _read_tabular(

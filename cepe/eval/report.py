@@ -152,12 +152,16 @@ def _plotted(draw: Any, *args: Any) -> Path | None:
     disk): the plots come after the numbers, which are written whatever happens to them."""
     import warnings
 
+    path = next(a for a in args if isinstance(a, Path))
     try:
         return draw(*args)
     except Exception as err:  # noqa: BLE001 - any plotting failure, named in the warning
-        warnings.warn(
-            f"plot {args[-2] if len(args) > 1 else ''} not written: {type(err).__name__}: {err}", stacklevel=2
-        )
+        path.unlink(missing_ok=True)  # an earlier run's plot beside these numbers would look like theirs
+        import sys
+
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+        warnings.warn(f"plot {path} not written: {type(err).__name__}: {err}", stacklevel=2)
         return None
 
 

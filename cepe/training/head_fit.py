@@ -330,7 +330,8 @@ def record(
     dev = next(model.parameters()).device
     use_bf16 = resolve_bf16(cfg.bf16, dev)
     stats_dir.mkdir(parents=True, exist_ok=True)
-    mix_hash = str(model.cepe_config.mix_hash)  # the suffix inputs' hash (records hold those inputs)
+    # the suffix inputs' hash (the records hold those inputs; without suffix matches it plays no part)
+    mix_hash = str(model.cepe_config.mix_hash) if model.cepe_config.mix_match else "none"
     what = {
         "recipe": cfg.output_dir,
         "fingerprint": cfg.fingerprint(),
@@ -340,7 +341,9 @@ def record(
     note = stats_dir / RECORDS_FILE
     if note.exists():
         had = json.loads(note.read_text())
-        had.setdefault("mix_hash", "wrap")  # records made before the hash fix hold its inputs
+        if mix_hash == "none":
+            had["mix_hash"] = "none"
+        had.setdefault("mix_hash", "unknown (recorded before the hash was noted)")
         keys = ("fingerprint", "bf16", "mix_hash")
         if {k: had.get(k) for k in keys} != {k: what[k] for k in keys}:
             raise ValueError(

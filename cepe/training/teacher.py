@@ -136,11 +136,12 @@ def _load_teacher(cfg: TrainConfig, dev: torch.device) -> torch.nn.Module:
 
     teacher = build_decoder(cfg, cfg.teacher_decoder).to(dev)
     vocab, own = int(teacher.config.vocab_size), decoder_vocab_size(cfg)
-    if vocab > own:  # (a smaller or equal one may be the same tokenizer padded otherwise)
+    if vocab != own:  # its top-k ids index the student's logits; its windows are the student's
         raise ValueError(
             f"teacher_decoder {cfg.teacher_decoder} has a {vocab}-token vocabulary but the student's decoder "
-            f"has {own}: the teacher's top-k token ids index the student's logits, so it must share the "
-            "student's tokenizer"
+            f"has {own}: the teacher's top-k token ids index the student's logits and it reads the student's "
+            "windows, so it must have the student's tokenizer and vocabulary size (a model of the same "
+            "family padded to another size is refused too)"
         )
     limit = getattr(teacher.config, "max_position_embeddings", None)
     if limit is not None and cfg.window_length > int(limit):
