@@ -79,6 +79,11 @@ pipeline() {
         --test-fraction 0.1 --retrieval-fraction 0.05 --out runs/data/mini_kernel --quiet
     fi
     if [ ! -f "$fit/fit.md" ]; then  # written last, after the adapter and fit.json (a kill before: fit again)
+      if [ "$(stage_init "$name")" = runs/given/shipped_reader ] && [ ! -f runs/given/shipped_reader/cepe_config.json ]; then
+        log "$name: the shipped adapter's reader (runs/given/shipped_reader)"
+        cepe export --model adapters/smollm2-135m-cepe --out runs/given/shipped_reader --drop-mixture \
+          >> "runs/recipe/$name-fit.log" 2>&1
+      fi
       log "$name: fit-heads"
       cepe fit-heads --recipe "configs/train/recipe/$name.yaml" --compare adapters/smollm2-135m-cepe \
         --no-progress >> "runs/recipe/$name-fit.log" 2>&1
@@ -124,7 +129,7 @@ if [ -n "${FOREGROUND:-}" ]; then
   exit $rc
 fi
 # (a subshell, not `pipeline || ...`, which would switch off set -e inside it)
-nohup bash -c "$(declare -f pipeline stage_corpus pid_running); (VAL='$VAL' pipeline $*); rc=\$?; [ \$rc -eq 0 ] ||
+nohup bash -c "$(declare -f pipeline stage_corpus stage_init pid_running); (VAL='$VAL' pipeline $*); rc=\$?; [ \$rc -eq 0 ] ||
   { echo \"\$(date -u +%FT%TZ) stopped by an error (exit \$rc): fix it, then rerun bash scripts/heads_and_validate.sh $*\"; exit \$rc; }" \
   >> runs/recipe/heads.log 2>&1 &
 echo $! > runs/recipe/heads.pid

@@ -11,3 +11,15 @@ stage_corpus() {
     f=$(dirname "$f")/$e
   done
 }
+# stage_init NAME: the init_adapter recipe NAME starts from, as its config or the configs it extends give it
+# (the nearest wins); nothing when none does.
+stage_init() {
+  local f=configs/train/recipe/$1.yaml c e
+  while [ -f "$f" ]; do
+    c=$(sed -n 's/^init_adapter: *//p' "$f" | head -1)
+    if [ -n "$c" ]; then echo "$c"; return; fi
+    e=$(sed -n 's/^extends: *//p' "$f" | head -1)
+    [ -n "$e" ] || return 0
+    f=$(dirname "$f")/$e
+  done
+}

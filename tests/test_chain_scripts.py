@@ -768,3 +768,22 @@ def test_the_chains_heads_entry_waits_for_a_heads_run_started_by_hand(tmp_path):
     assert time.monotonic() - started >= 1.5
     log = (root / "runs/recipe/heads.log").read_text()
     assert "waiting for the running heads run" in log and "mix_fit14: done" in log
+
+
+def test_a_heads_recipe_over_the_shipped_reader_gets_it_exported(tmp_path):
+    """``mix_fit3e`` fits over ``runs/given/shipped_reader`` (through ``extends``, which no machine has
+    until it is exported): the heads step exports it from the shipped adapter once, then fits."""
+    root, _, calls = _heads_tree(tmp_path)
+    run = ["bash", "scripts/heads_and_validate.sh", "mix_fit3e"]
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    made = calls.read_text().splitlines()
+    want = "cepe export --model adapters/smollm2-135m-cepe --out runs/given/shipped_reader --drop-mixture"
+    assert made.count(want) == 1 and made.index(want) < next(
+        i for i, c in enumerate(made) if c.startswith("cepe fit-heads")
+    )
+    (root / "runs/recipe/mix_fit3e-fit/fit.md").unlink()  # fitted again: the reader is there already
+    calls.unlink()
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    assert want not in calls.read_text()
