@@ -9,6 +9,9 @@
 # steps skipped, log runs/recipe/heads.log), before the next stage starts, so the two never share the cores.
 # e.g.   bash scripts/train_chain.sh read_lm6 heads:mix_fit16 read_lm7 heads:mix_fit17
 # Log: runs/recipe/chain.log (each stage also logs to runs/recipe/NAME.log); the chain's pid: runs/recipe/chain.pid.
+# One chain at a time: a second is refused while the first, or a stage it started, holds runs/recipe/chain.lock.
+# A stage stopped by SIGHUP, SIGINT or SIGTERM stops the chain to be resumed; one killed otherwise (the
+# out-of-memory killer) is a failure.
 # BF16=auto (or true / false) overrides the configs' bf16 setting (resume a chain with the same BF16: it is
 # part of each stage's fingerprint); configs that say `bf16: true` force
 # emulated bf16, about 1/100 of fp32's speed, on CPUs without bf16 matrix units.
