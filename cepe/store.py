@@ -498,12 +498,8 @@ class ContextStore:
             raise StoreError(f"a context must be text (str), got {type(text).__name__}")
         self._model_info()
         cid = context_id(text)
-        if self._file(cid).exists():
-            try:
-                self.load(cid)  # refuses a corrupted or foreign copy instead of silently keeping it
-                return cid, False
-            except ContextNotFound:  # removed meanwhile: store it again
-                pass
+        if self._stored(cid):
+            return cid, False
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self._add(cid, ids, name, hashlib.sha256(text.encode("utf-8")).hexdigest())
 
@@ -529,13 +525,20 @@ class ContextStore:
         raw = np.asarray(list(ids), dtype=np.int32).tobytes()
         source = hashlib.sha256(raw).hexdigest()
         cid = source[:16]
-        if self._file(cid).exists():
-            try:
-                self.load(cid)
-                return cid, False
-            except ContextNotFound:  # removed meanwhile: store it again
-                pass
+        if self._stored(cid):
+            return cid, False
         return self._add(cid, list(ids), name, source, encoded)
+
+    def _stored(self, cid: str) -> bool:
+        """Whether context ``cid`` is stored already; a corrupted or foreign copy is refused (load raises)
+        instead of silently kept, and one removed meanwhile is not stored."""
+        if not self._file(cid).exists():
+            return False
+        try:
+            self.load(cid)
+        except ContextNotFound:
+            return False
+        return True
 
     def _add(self, cid, ids, name, source_sha256, encoded=None) -> tuple[str, bool]:
         info = self._model_info()

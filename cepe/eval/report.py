@@ -147,14 +147,13 @@ def _save(fig: Any, path: Path, **kwargs: Any) -> None:
         fig.savefig(tmp, format="png", dpi=120, **kwargs)
 
 
-def _plotted(draw: Any, *args: Any) -> Path | None:
-    """``draw(*args)``'s plot, or None with a warning where drawing fails (matplotlib missing, a full
-    disk): the plots come after the numbers, which are written whatever happens to them."""
+def _plotted(path: Path, draw: Any) -> Path | None:
+    """``draw()``'s plot at ``path``, or None with a warning where drawing fails (matplotlib missing, a
+    full disk): the plots come after the numbers, which are written whatever happens to them."""
     import warnings
 
-    path = next(a for a in args if isinstance(a, Path))
     try:
-        return draw(*args)
+        return draw()
     except Exception as err:  # noqa: BLE001 - any plotting failure, named in the warning
         path.unlink(missing_ok=True)  # an earlier run's plot beside these numbers would look like theirs
         import sys
@@ -181,7 +180,8 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
     # each written atomically, the JSON (what scripts take as the evaluation's being done) last
     fileio.write_text(paths["markdown"], markdown_table(result))
     if x_key:
-        p = _plotted(plot_lines, result, x_key, out / f"{task}.png", None)
+        png = out / f"{task}.png"
+        p = _plotted(png, lambda: plot_lines(result, x_key, png))
         if p is not None:
             paths["plot"] = str(p)
     if result.get("heatmaps"):
@@ -193,12 +193,12 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
             hp,
             f"{task}: accuracy %",
         )
-        if _plotted(plot_heatmap_panels, *args) is not None:
+        if _plotted(hp, lambda: plot_heatmap_panels(*args)) is not None:
             paths["heatmap"] = str(hp)
     for method, grid in (result.get("grids") or {}).items():
         hp = out / f"{task}_{method}.png"
         args = (grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")
-        if _plotted(plot_heatmap, *args) is not None:
+        if _plotted(hp, lambda a=args: plot_heatmap(*a)) is not None:
             paths[f"heatmap_{method}"] = str(hp)
     fileio.write_text(paths["json"], json.dumps(result, indent=2, default=str))
     return paths

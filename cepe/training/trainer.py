@@ -329,6 +329,7 @@ class _Run:
     recent: list[tuple[float, float]] = field(default_factory=list)  # (loss, seconds) of the last steps
     t_start: float = 0.0
     paused_s: float = 0.0
+    data_digest: str | None = None  # the corpus's (cepe.training.data.corpus_digest), read once a run
 
     @property
     def world(self) -> int:
@@ -420,7 +421,7 @@ class _Run:
                 "step": done,
                 "examples_seen": done * cfg.batch_size,
                 "fingerprint": cfg.fingerprint(),
-                "data_digest": corpus_digest(cfg),
+                "data_digest": self.data_digest,
                 "stage": cfg.stage,
                 "world_size": self.world,
                 "compute_dtype": self.compute_dtype,
@@ -459,10 +460,10 @@ def _accelerator(cfg: TrainConfig) -> Any:
 
 
 def _resume_point(
-    cfg: TrainConfig, out: Path, resume: bool
+    cfg: TrainConfig, out: Path, resume: bool, digest: str | None = None
 ) -> tuple[list[tuple[int, Path]], dict[str, Any] | None, dict[str, Any] | None]:
     """(the checkpoints in ``out``, the newest one's trainer state or None, the snapshot's record or None),
-    checked against ``cfg``'s fingerprint."""
+    checked against ``cfg``'s fingerprint and the corpus's ``digest``."""
     existing = checkpoint_dirs(out)
     if existing and not resume:
         raise ValueError(
@@ -489,7 +490,6 @@ def _resume_point(
                 "with the config that wrote it, or point snapshot_dir elsewhere"
             )
     record = saved if saved is not None else snapshot
-    digest = corpus_digest(cfg)
     if record is not None and record.get("data_digest") not in (None, digest):  # (None: written before)
         raise ValueError(
             f"the run in {out} was trained on another corpus in {cfg.data.corpus} (its index.json differs: "
@@ -688,7 +688,8 @@ def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
     acc = _accelerator(cfg)
     accum = cfg.grad_accum(acc.num_processes)
     out = Path(cfg.output_dir)
-    existing, saved, snapshot = _resume_point(cfg, out, resume)
+    digest = corpus_digest(cfg)
+    existing, saved, snapshot = _resume_point(cfg, out, resume, digest)
     record = saved or snapshot or {}
     where = str(existing[-1][1]) if saved else f"snapshot {cfg.snapshot_dir}"
     use_bf16 = decide_bf16(cfg.bf16, acc.device, acc.num_processes)
@@ -708,6 +709,7 @@ def _setup(cfg: TrainConfig, resume: bool, allow_dtype_change: bool) -> _Run:
         stage_module=acc.unwrap_model(module),
         optimizer=optimizer,
         scheduler=scheduler,
+        data_digest=digest,
     )
     run.start = _restore(run, existing, saved, snapshot)
     _open_output(run)
