@@ -170,6 +170,28 @@ def test_qa_demonstration_passage_choice():
         Config(demo_passage="gold")
 
 
+def test_qa_questions_do_not_depend_on_the_largest_k(setup):
+    """``synthetic.num_passages`` fixes the questions whatever the ks (default: the largest k, as recorded);
+    the synthetic passages carry no scores (REPLUG weighs its passes uniformly); a k beyond the passages
+    and an unknown key are refused."""
+    from cepe.eval.tasks import qa
+
+    seen = []
+    real = qa.synthetic_qa
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qa, "synthetic_qa", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1][:0])
+        syn = {"source": {"documents": _docs(6)}, "num_questions": 3, "passage_words": 15}
+        for ks, n in (([2, 4], None), ([2], 4), ([2], None)):
+            extra = {} if n is None else {"num_passages": n}
+            qa.run(setup, qa.Config(synthetic={**syn, **extra}, ks=ks, decoder_passages=1))
+    assert seen[0] == seen[1] != seen[2]
+    assert all("score" not in c for d in seen[0] for c in d["ctxs"])
+    with pytest.raises(ValueError, match="more passages than synthetic.num_passages"):
+        qa.run(setup, qa.Config(synthetic={**syn, "num_passages": 3}, ks=[2, 4]))
+    with pytest.raises(ValueError, match="unknown synthetic QA key"):
+        qa.run(setup, qa.Config(synthetic={**syn, "passages": 3}, ks=[2]))
+
+
 def test_qa_answer_place_and_likelihood():
     """``answer_place`` puts the answer's passage where each method reads it; the forced answer NLL is
     the decoder's own cross-entropy of the gold answer after the prompt (truncated), and CEPE with its
@@ -453,6 +475,20 @@ def test_icl_validation_split_never_reads_the_test_part():
     assert [r for r in train if r["text"] in key(rest)] == rest
     with pytest.raises(ValueError, match="split"):
         _load(Config(**base, split="dev"))
+
+
+def test_icl_demonstrations_never_repeat_a_query():
+    """A source holding one article under two ids (one in the test part, one in the demonstrations) does
+    not show a query its own text as a demonstration; with nothing to pass over the draws are unchanged."""
+    from cepe.eval.common import text_key
+    from cepe.eval.tasks.icl import balanced_demos
+
+    train = [{"text": f"article {i}", "label": "ab"[i % 2]} for i in range(20)]
+    drawn = balanced_demos(train, 6, seed=3)
+    assert balanced_demos(train, 6, seed=3, exclude={text_key("no such article")}) == drawn
+    twice = {text_key("  " + drawn[0]["text"].replace(" ", "\n"))}  # the same text laid out differently
+    again = balanced_demos(train, 6, seed=3, exclude=twice)
+    assert drawn[0] not in again and len(again) == 6 and again[0]["label"] == drawn[0]["label"]
 
 
 def test_eval_context_scale_overrides_the_adapter(tmp_path, monkeypatch):

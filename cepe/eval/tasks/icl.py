@@ -16,11 +16,12 @@ import csv
 import functools
 import json
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cepe.eval.common import EvalSetup, iter_source, limit_items, run_examples
+from cepe.eval.common import EvalSetup, iter_source, limit_items, run_examples, text_key
 from cepe.eval.methods import Request
 from cepe.eval.metrics import SCORING_VARIANTS, label_scores
 
@@ -67,9 +68,13 @@ def read_labelled(
     return rows
 
 
-def balanced_demos(train: list[dict[str, str]], count: int, seed: int) -> list[dict[str, str]]:
+def balanced_demos(
+    train: list[dict[str, str]], count: int, seed: int, exclude: Collection[bytes] = ()
+) -> list[dict[str, str]]:
     """``count`` demonstrations cycling through the labels (label order shuffled each round) so that every
-    prefix is balanced up to remainders; examples drawn without replacement."""
+    prefix is balanced up to remainders; examples drawn without replacement. An example whose text key
+    (:func:`cepe.eval.common.text_key`) is in ``exclude`` (the queries' own texts: a source may hold
+    copies of one article under two ids) is passed over; the draws are otherwise the same."""
     rng = random.Random(seed)
     by_label: dict[str, list[dict[str, str]]] = {}
     for r in train:
@@ -81,6 +86,8 @@ def balanced_demos(train: list[dict[str, str]], count: int, seed: int) -> list[d
         order = labels[:]
         rng.shuffle(order)
         for lab in order:
+            while exclude and by_label[lab] and text_key(by_label[lab][-1]["text"]) in exclude:
+                by_label[lab].pop()
             if by_label[lab] and len(out) < count:
                 out.append(by_label[lab].pop())
     return out
@@ -251,7 +258,8 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         test = test_all[:]
         rng.shuffle(test)
         test = limit_items(test, cfg.test_size, setup)
-        demos = balanced_demos(train, cfg.decoder_demos + max(cfg.encoder_demos or [0]), seed)
+        asked = {text_key(r["text"]) for r in test}  # no query among its own demonstrations
+        demos = balanced_demos(train, cfg.decoder_demos + max(cfg.encoder_demos or [0]), seed, asked)
         dec = [t for d in demos[: cfg.decoder_demos] for t in prompt.example_ids(d) + prompt.sep]
         for kp in [0, *cfg.encoder_demos]:
             enc = [prompt.example_ids(d) for d in demos[cfg.decoder_demos : cfg.decoder_demos + kp]]

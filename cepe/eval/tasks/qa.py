@@ -63,8 +63,9 @@ def synthetic_qa(
     source: dict[str, Any], num_questions: int, num_passages: int, passage_words: int = 60, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Deterministic QA examples in the standard format: a made-up person's attribute is planted as a
-    sentence into one passage cut from ``source`` documents; that passage sits at a random rank among
-    ``num_passages`` distractors; scores decrease with rank."""
+    sentence into one passage cut from ``source`` documents; that passage sits at a uniformly random rank
+    among ``num_passages`` (the others are distractors). The passages carry no retrieval scores: their
+    order says nothing about where the answer is, so REPLUG weighs its passes uniformly."""
     rng = random.Random(seed)
     passages: list[tuple[str, str]] = []
     for doc in iter_source(source):
@@ -85,10 +86,7 @@ def synthetic_qa(
         names.add(name)
         attr, values = rng.choice(_ATTRIBUTES)
         value = rng.choice(values)
-        ctxs = [
-            {"title": t, "text": x, "score": float(num_passages - r)}
-            for r, (t, x) in enumerate(rng.sample(passages, num_passages))
-        ]
+        ctxs = [{"title": t, "text": x} for t, x in rng.sample(passages, num_passages)]
         gold = rng.randrange(num_passages)
         sents = split_sentences(ctxs[gold]["text"]) or [ctxs[gold]["text"]]
         pos = rng.randrange(len(sents) + 1)
@@ -130,7 +128,10 @@ class Config:
         path: QA file (standard format); None = synthetic set from ``synthetic``.
         demos_path: demonstrations file (default: the first ``num_demos`` synthetic / file examples,
             excluded from the test set).
-        synthetic: ``{"source": {...}, "num_questions", "passage_words"}``.
+        synthetic: ``{"source": {...}, "num_questions", "passage_words", "num_passages"}``; each question's
+            answer is planted at a random rank among ``num_passages`` (default: the largest k), of which
+            the first k are given, so a smaller k often leaves the answer out (``em_by_place`` splits
+            that). Give ``num_passages`` to keep the same questions when the largest k changes.
         ks: passages per question (paper 10..60); decoder_passages: in the decoder for CEPE (paper 10).
         num_demos: demonstrations (paper 2), each with its top-1 passage.
         demo_passage: which passage a demonstration shows: ``top`` (its first, the paper's top-1
@@ -178,13 +179,21 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
         data = read_qa(cfg.path)
     else:
         syn = dict(cfg.synthetic)
-        data = synthetic_qa(
-            syn.pop("source", {"corpus": "bbc"}),
-            int(syn.pop("num_questions", 200)) + cfg.num_demos,
-            max(cfg.ks),
-            int(syn.pop("passage_words", 100)),
-            seed=cfg.seed,
-        )
+        source = syn.pop("source", {"corpus": "bbc"})
+        num_questions = int(syn.pop("num_questions", 200)) + cfg.num_demos
+        passage_words = int(syn.pop("passage_words", 100))
+        num_passages = int(syn.pop("num_passages", max(cfg.ks)))
+        if syn:
+            raise ValueError(
+                f"unknown synthetic QA key(s) {sorted(syn)}: use source, num_questions, passage_words, "
+                "num_passages"
+            )
+        if max(cfg.ks) > num_passages:
+            raise ValueError(
+                f"ks {cfg.ks} asks for more passages than synthetic.num_passages ({num_passages}) holds; "
+                "raise num_passages or drop the larger k"
+            )
+        data = synthetic_qa(source, num_questions, num_passages, passage_words, seed=cfg.seed)
     if cfg.demos_path:
         demos, tests = read_qa(cfg.demos_path)[: cfg.num_demos], data
     else:
