@@ -204,6 +204,14 @@ def test_merge_equals_one_run(setup):
         ruler.merge([parts[0], parts[0]])
     with pytest.raises(ValueError, match="differs from run 1 in 'config'"):
         ruler.merge([parts[0], {**parts[1], "config": {**cfg, "samples": 2}}])
+    # numerics: a reader switched off, or another dtype where both runs record one, is not the same run
+    with pytest.raises(ValueError, match="differs from run 1 in 'context_scale'"):
+        ruler.merge([parts[0], {**parts[1], "context_scale": 0.0}])
+    bf16, fp32 = {"dtype": "bf16", "autocast": "none"}, {"dtype": "fp32", "autocast": "none"}
+    with pytest.raises(ValueError, match="differs from run 1 in 'dtype'"):
+        ruler.merge([{**parts[0], **fp32}, {**parts[1], **bf16}])
+    old_run = ruler.merge([parts[0], {**parts[1], **bf16}])  # the first run recorded none: kept, said
+    assert (old_run["dtype"], old_run["autocast"]) == ("bf16", "none")
 
 
 def test_planted_values_do_not_contain_each_other():

@@ -687,19 +687,24 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     Raises:
         ValueError: the runs differ in anything but their methods (task settings, model, seed, the
-            prompts' token counts) or share a method.
+            prompts' token counts, the context scale, and the dtype and autocast where both runs record
+            them) or share a method.
     """
     if not results:
         raise ValueError("nothing to merge: give at least one ruler.json")
     first = results[0]
-    same = ("task", "config", "model", "seed", "prompt_tokens")
+    # context_scale: recorded only where a run set it; dtype / autocast: not recorded by older runs
+    same = ("task", "config", "model", "seed", "prompt_tokens", "context_scale")
+    numerics = ("dtype", "autocast")
     methods: list[str] = []
     for i, res in enumerate(results):
-        for key in same:
-            if res.get(key) != first.get(key):
+        for key in same + numerics:
+            a, b = res.get(key), first.get(key)
+            if a != b and (key in same or (a is not None and b is not None)):
                 raise ValueError(
-                    f"run {i + 1} differs from run 1 in {key!r}: only runs of the same task settings, "
-                    "model and seed (hence the same prompts) can share a table; rerun with the same config"
+                    f"run {i + 1} differs from run 1 in {key!r} ({a!r} against {b!r}): only runs of the "
+                    "same task settings, model, seed and numerics (hence the same prompts, computed "
+                    "alike) can share a table; rerun with the same config and options"
                 )
         dup = set(methods) & set(res.get("methods", []))
         if dup:
@@ -711,8 +716,10 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for res in results:
         options.update(res.get("method_options") or {})
+    recorded = {k: next((r[k] for r in results if r.get(k) is not None), None) for k in numerics}
     return {
         **first,
+        **{k: v for k, v in recorded.items() if v is not None},
         "rows": rows,
         "methods": methods,
         "method_options": options,
