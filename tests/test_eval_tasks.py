@@ -276,6 +276,34 @@ def test_longdoc(setup, tmp_path):
     _check(r, tmp_path, "rouge_l")
 
 
+def test_longdoc_sampling_does_not_depend_on_the_methods_run_before(tmp_path):
+    """With ``do_sample`` a method's sampled answers are the same alone or after another method."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"document": d["text"], "instruction": "Summarise.", "answers": ["alpha"]}) + "\n"
+            for d in _docs(2, sentences=20)
+        )
+    )
+    cfg = {
+        "path": str(path),
+        "decoder_window": 64,
+        "chunk_length": 32,
+        "max_new_tokens": 6,
+        "chat_template": False,
+        "sampling": {"do_sample": True, "top_p": 0.95, "temperature": 1.0},
+    }
+    answers = {}
+    for methods in (["full"], ["truncated", "full"]):
+        s = load_setup("tiny", methods, progress=False)
+        said: list[str] = []
+        decode = s.decode
+        s.decode = lambda ids, _d=decode, _s=said: _s.append(_d(ids)) or _s[-1]
+        run_task("longdoc", s, cfg)
+        answers[len(methods)] = said[-2:]  # full's two answers
+    assert answers[1] == answers[2]
+
+
 def test_longdoc_zeroscrolls_records_keep_their_instructions(setup, tmp_path, monkeypatch):
     """A ZeroSCROLLS record's task instructions come before the document, its separator, query and answer
     opening after it, as the record has them (not the query alone with a second "Answer:")."""

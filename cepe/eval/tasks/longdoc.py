@@ -103,7 +103,9 @@ class Config:
         chat_template: ``auto``, true or false.
         answer_prefix: text after the instruction (without a chat template).
         sampling: generation kwargs for cepe/full/truncated (e.g. GovReport: do_sample, top_p 0.95,
-            temperature 1.0, min_new_tokens 10); streamingllm and replug are greedy only.
+            temperature 1.0, min_new_tokens 10); streamingllm and replug are greedy only. With
+            ``do_sample`` each example draws from the run seed and its index, so a method's answers
+            do not depend on which methods ran before it.
     """
 
     path: str | None = None
@@ -156,7 +158,12 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
     rows = []
     for method in setup.methods:
 
-        def answer(m, ex, _method=method):
+        def answer(m, item, _method=method):
+            i, ex = item
+            if cfg.sampling.get("do_sample"):  # each example's draws its own: not the methods run before
+                import torch
+
+                torch.manual_seed(setup.seed * 1_000_003 + i)
             pre = setup.encode(before + ex.get("prefix", ""))
             if ex.get("own_answer_prefix"):  # the record's text after the document, as it is
                 suf = setup.encode(ex["instruction"].rstrip() + (after if before else ""))
@@ -167,7 +174,7 @@ def run(setup: EvalSetup, cfg: Config) -> dict[str, Any]:
             pred = setup.decode(m.generate(req, **kwargs)).strip()
             return metric(pred, ex["answers"]), req.num_tokens + cfg.max_new_tokens
 
-        vals, cost = run_examples(setup, method, data, answer, "longdoc")
+        vals, cost = run_examples(setup, method, list(enumerate(data)), answer, "longdoc")
         rows.append(
             {
                 "method": method,
