@@ -293,3 +293,41 @@ def test_a_report_whose_plot_fails_keeps_its_numbers(setup, tmp_path, monkeypatc
         paths = write_report(result, tmp_path, x_key=result.get("plot_x"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fixedppl.json", "fixedppl.md"]
     assert "plot" not in paths and json.loads(open(paths["json"]).read())["task"] == "fixedppl"
+
+
+def test_report_leaves_no_plot_of_an_earlier_run(tmp_path):
+    """Plots this run does not draw (a method no longer in it, a result with nothing to plot) are removed,
+    so no plot in a results folder disagrees with the JSON beside it; other files stay."""
+    from cepe.eval.report import write_report
+
+    grid = [[1.0, 0.0], [0.5, 1.0]]
+    needle = {"task": "needle", "rows": [], "totals": [64, 128], "depths": [0.0, 0.5]}
+    write_report({**needle, "grids": {"cepe": grid, "full": grid}}, tmp_path)
+    (tmp_path / "notes.png").write_bytes(b"\x89PNG mine")
+    assert (tmp_path / "needle_full.png").exists()
+    write_report({**needle, "grids": {"cepe": grid}}, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["needle_cepe.png", "notes.png"]
+    row = {"method": "cepe", "setting": {"total": 64}, "metric": "ppl", "value": 3.0}
+    write_report({"task": "lm", "rows": [row]}, tmp_path, x_key="total")
+    assert (tmp_path / "lm.png").exists()
+    write_report({"task": "lm", "rows": []}, tmp_path, x_key="total")
+    assert not (tmp_path / "lm.png").exists()
+
+
+def test_lm_plot_draws_one_line_per_method_and_domain():
+    """lm's decoder window follows from the total (``decoder_window_overrides``): it splits no line."""
+    from cepe.eval.report import line_series
+
+    rows = [
+        {
+            "method": "cepe",
+            "setting": {"total": t, "domain": "acl", "decoder_window": w},
+            "metric": "ppl",
+            "value": v,
+        }
+        for t, w, v in ((1024, 512, 9.0), (2048, 512, 8.0), (4096, 1024, 7.0))
+    ]
+    result = {"task": "lm", "rows": rows, "plot_ignore": ["decoder_window"]}
+    series, ylabel = line_series(result, "total", ignore=result["plot_ignore"])
+    assert series == {"cepe (domain=acl)": [(1024.0, 9.0), (2048.0, 8.0), (4096.0, 7.0)]} and ylabel == "ppl"
+    assert len(line_series(result, "total")[0]) == 2  # without: one series per window

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,12 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_lines(result: dict[str, Any], x_key: str, path: Path, metric: str | None = None) -> Path | None:
-    """Metric against setting ``x_key``: one line per method and per value of the other settings."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def line_series(
+    result: dict[str, Any], x_key: str, metric: str | None = None, ignore: Sequence[str] = ()
+) -> tuple[dict[str, list[tuple[float, float]]], str]:
+    """``({label: [(x, value)]}, y label)``: one series per method and per value of the settings other
+    than ``x_key`` and ``ignore`` (settings that follow from ``x_key``, such as lm's decoder window per
+    total), points sorted by x."""
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     ylabel = metric or ""
     for r in result.get("rows", []):
@@ -68,13 +68,25 @@ def plot_lines(result: dict[str, Any], x_key: str, path: Path, metric: str | Non
         if x_key not in s or not isinstance(r["value"], (int, float)):
             continue
         ylabel = r["metric"]
-        rest = ", ".join(f"{k}={v}" for k, v in s.items() if k != x_key)
+        rest = ", ".join(f"{k}={v}" for k, v in s.items() if k != x_key and k not in ignore)
         series[f"{r['method']}" + (f" ({rest})" if rest else "")].append((float(s[x_key]), float(r["value"])))
+    return {label: sorted(pts) for label, pts in series.items()}, ylabel
+
+
+def plot_lines(
+    result: dict[str, Any], x_key: str, path: Path, metric: str | None = None, ignore: Sequence[str] = ()
+) -> Path | None:
+    """Metric against setting ``x_key`` (:func:`line_series`); None where nothing is plotted."""
+    series, ylabel = line_series(result, x_key, metric, ignore)
     if not series:
         return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, pts in sorted(series.items()):
-        pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel(x_key)
     ax.set_ylabel(ylabel)
@@ -181,7 +193,8 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
     fileio.write_text(paths["markdown"], markdown_table(result))
     if x_key:
         png = out / f"{task}.png"
-        p = _plotted(png, lambda: plot_lines(result, x_key, png))
+        ignore = list(result.get("plot_ignore") or [])
+        p = _plotted(png, lambda: plot_lines(result, x_key, png, ignore=ignore))
         if p is not None:
             paths["plot"] = str(p)
     if result.get("heatmaps"):
@@ -200,5 +213,11 @@ def write_report(result: dict[str, Any], out_dir: str | Path, x_key: str | None 
         args = (grid, list(result["totals"]), list(result["depths"]), hp, f"{task}: {method}")
         if _plotted(hp, lambda a=args: plot_heatmap(*a)) is not None:
             paths[f"heatmap_{method}"] = str(hp)
+    # an earlier run's plots that this one did not draw would read as this result's: remove them
+    from cepe.eval.config import METHODS
+
+    for stale in [f"{task}.png", f"{task}_heatmap.png", *(f"{task}_{m}.png" for m in METHODS)]:
+        if str(out / stale) not in paths.values():
+            (out / stale).unlink(missing_ok=True)
     fileio.write_text(paths["json"], json.dumps(result, indent=2, default=str))
     return paths
