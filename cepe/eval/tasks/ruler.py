@@ -151,7 +151,10 @@ _ATTRIBUTES = (
     ("lucky number", tuple(str(n) for n in (36, 13, 21, 42, 58, 64, 77, 99))),
 )
 """Planted facts' values. QA scores by containment (RULER's ``string_match_part``), so no value may
-contain another: with both 7 and 77, an answer 77 counted as right for 7."""
+contain another: with both 7 and 77, an answer 77 counted as right for 7. Containment also finds a value
+inside a longer word ("red" in "covered", "Bath" in "Bathurst", "13" in "2013", "a cat" in "a category"),
+as RULER's metric does for its own answers; the values are kept so that recorded prompts stay the same,
+and a long wrong answer can score where it holds such a word."""
 _ROLES = ("treasurer", "founder", "captain", "secretary", "chairman", "librarian")
 _ORG_KINDS = ("Society", "Rowing Club", "Choir", "Guild", "Chess Club", "Trust")
 
