@@ -518,6 +518,8 @@ class CepeForCausalLM(nn.Module):
         its gate weights see features of unit scale around zero (the gate's bias then sets its strength and
         its weights only how it differs from token to token). Meant for fresh (zero) gates, which are 1
         whatever the norms, so one pass sees every layer's own statistics. Returns ``{layer: (H, 4) norms}``.
+        Raises ``ValueError``, every norm left as it was, when a layer saw fewer than 2 decoder tokens with
+        context in all (no standard deviation) or features that are not finite.
         """
         mods = self.cross_attention_modules()
         if not self.cepe_config.match_gate:
@@ -527,6 +529,7 @@ class CepeForCausalLM(nn.Module):
         try:
             run()
             out = {}
+            norms: dict[nn.Module, torch.Tensor] = {}
             for m in mods:
                 if not m.match_record:
                     raise ValueError(
@@ -534,10 +537,23 @@ class CepeForCausalLM(nn.Module):
                         "run() must make forward passes with encoder inputs"
                     )
                 x = torch.cat(m.match_record, dim=1)  # (H, N, 2)
+                if x.shape[1] < 2:  # the (unbiased) standard deviation of one value is NaN
+                    raise ValueError(
+                        f"calibrate_match_gate: layer {m.layer_idx} saw {x.shape[1]} decoder token with "
+                        "context; the standard deviation needs at least 2: run() must make forward passes "
+                        "over 2 or more decoder tokens (in all) of rows with context"
+                    )
                 mean, std = x.mean(1), x.std(1).clamp_min(min_std)  # (H, 2)
                 norm = torch.stack([mean[:, 0], std[:, 0], mean[:, 1], std[:, 1]], dim=1)
-                m.match_norm.copy_(norm.to(m.match_norm.dtype))
+                if not norm.isfinite().all():
+                    raise ValueError(
+                        f"calibrate_match_gate: layer {m.layer_idx}'s match features are not finite "
+                        "(NaN or inf in the recorded (m, κ̂)); no layer's norm was changed"
+                    )
+                norms[m] = norm
                 out[m.layer_idx] = norm
+            for m, norm in norms.items():  # all or nothing: a failing layer leaves every norm as it was
+                m.match_norm.copy_(norm.to(m.match_norm.dtype))
             return out
         finally:
             for m in mods:

@@ -255,6 +255,36 @@ def test_calibration_standardises_the_features():
         model.calibrate_match_gate(lambda: model(ids))
 
 
+def test_calibration_needs_two_tokens_and_keeps_norms_finite():
+    """One decoder token gives no (unbiased) standard deviation: a clear error and the norms untouched, not
+    NaN norms that make every later forward with context NaN; non-finite features are refused the same way."""
+    model = _gated()
+    enc_ids, enc_mask = random_context(1, 2)
+    before = [m.match_norm.clone() for m in model.cross_attention_modules()]
+    with pytest.raises(ValueError, match="at least 2"):
+        model.calibrate_match_gate(
+            lambda: model(_ids(1, 1), encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask)
+        )
+    for m, b in zip(model.cross_attention_modules(), before):
+        assert torch.equal(m.match_norm, b) and m.match_record is None
+    with torch.no_grad():
+        out = model(_ids(1, 4), encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+    assert out.isfinite().all()
+
+    def nan_features():
+        for m in model.cross_attention_modules():
+            m.match_record.append(torch.full((m.num_heads, 3, 2), float("nan")))
+
+    with pytest.raises(ValueError, match="not finite"):
+        model.calibrate_match_gate(nan_features)
+    for m, b in zip(model.cross_attention_modules(), before):
+        assert torch.equal(m.match_norm, b)
+    norms = model.calibrate_match_gate(  # two tokens in all (two calls of one) are enough
+        lambda: [model(_ids(1, 1), encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask) for _ in "ab"]
+    )
+    assert all(n.isfinite().all() for n in norms.values())
+
+
 def test_match_gate_stats_script(tmp_path, capsys):
     """``scripts/match_gate_stats.py``: weights that moved together read as correlation 1 and one sign."""
     from conftest import load_script
