@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,6 +37,22 @@ def check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def is_int(value: Any) -> bool:
+    """A whole number given as one (``int``, numpy's integers), not a bool and not a float such as ``2.0``
+    (as ``mix_match`` and ``length_scale`` always required: a config's counts are written as integers)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite real number (int or float), not a bool and not a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_positive_int(value: Any, name: str, what: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is a whole number > 0 (``name``, ``what`` it counts: the message)."""
+    check(is_int(value) and value > 0, f"{name} must be a positive whole number{what}, got {value!r}")
+
+
 @dataclass
 class EncoderConfig:
     """Architecture of the bidirectional context encoder (Llama-style: RMSNorm, RoPE, SwiGLU).
@@ -64,11 +81,13 @@ class EncoderConfig:
     output_size: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads"):  # what the defaults below are computed from
+            check_positive_int(getattr(self, name), f"encoder {name}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             check(
-                self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0,
+                self.hidden_size % self.num_attention_heads == 0,
                 f"encoder hidden_size {self.hidden_size} must be divisible by num_attention_heads "
                 f"{self.num_attention_heads} (or give head_dim)",
             )
@@ -84,9 +103,11 @@ class EncoderConfig:
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
             "intermediate_size",
         ):
-            check(int(getattr(self, name)) > 0, f"encoder {name} must be positive, got {getattr(self, name)}")
+            check_positive_int(getattr(self, name), f"encoder {name}")
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"encoder num_attention_heads {self.num_attention_heads} must be a multiple of "
@@ -94,15 +115,36 @@ class EncoderConfig:
         )
         check(self.head_dim % 2 == 0, f"encoder head_dim must be even for RoPE, got {self.head_dim}")
         check(
-            self.output_size is None or 0 < int(self.output_size) <= self.hidden_size,
-            f"encoder output_size (the width of Φ after the down-projection) must be in 1..hidden_size "
-            f"({self.hidden_size}), or null for no projection; got {self.output_size}",
+            is_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
+            f"encoder rms_norm_eps must be a finite number > 0 (1e-5, say), got {self.rms_norm_eps!r}",
+        )
+        check(
+            is_number(self.rope_theta) and self.rope_theta > 0,
+            f"encoder rope_theta (RoPE's base) must be a finite number > 0 (10000.0, say), got {self.rope_theta!r}",
+        )
+        check(
+            self.output_size is None
+            or (is_int(self.output_size) and 0 < self.output_size <= self.hidden_size),
+            f"encoder output_size (the width of Φ after the down-projection) must be a whole number in "
+            f"1..hidden_size ({self.hidden_size}), or null for no projection; got {self.output_size!r}",
         )
         if self.mask_token_id is not None:
             check(
-                0 <= self.mask_token_id < self.vocab_size,
-                f"mask_token_id {self.mask_token_id} outside the encoder vocabulary ({self.vocab_size})",
+                is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
+                f"mask_token_id {self.mask_token_id!r} outside the encoder vocabulary ({self.vocab_size})",
             )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
+        """An encoder config from its saved fields (a saved ``CepeConfig``'s ``encoder``), refusing unknown keys."""
+        check(isinstance(data, dict), f"an encoder config must be a mapping of its fields, got {data!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        check(not unknown, f"unknown EncoderConfig keys {unknown}; known keys are {sorted(known)}")
+        check(
+            "vocab_size" in data, "an encoder config needs vocab_size (the decoder's, plus any [MASK] token)"
+        )
+        return cls(**data)
 
     @property
     def state_size(self) -> int:
@@ -179,8 +221,9 @@ class CepeConfig:
             alone), with ``ι̂ = clamp(log(n·p_t(j⁺)) / log n, −1, 1)``, ``p_t`` the head's attention at token t
             and ``j⁺`` the key after the one its previous token's query attended to most: near 1 while a
             copy goes on (an induction step), 0 for uniform attention, −1 for a chance match elsewhere (no
-            gradient flows through ι̂); zero-initialised (exactly 1). Generation carries each layer's last
-            read position from call to call, beam search included; ``absorbed`` projects keys as
+            gradient flows through ι̂); zero-initialised (exactly 1). Generation keeps where each layer's
+            heads read at every decoder position, so a call carries on from the position its cache ends
+            at (beam search, a cache cropped by assisted decoding included); ``absorbed`` projects keys as
             ``states`` does, and every query's scores are computed once more (an argmax is not a fused
             attention's output) (beyond the released code).
         run_bias: a per-head bias β_h added to each query's score on ``j⁺``, the key after the one the
@@ -310,14 +353,24 @@ class CepeConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.encoder, dict):
-            self.encoder = EncoderConfig(**self.encoder)
+            self.encoder = EncoderConfig.from_dict(self.encoder)
+        check(
+            isinstance(self.encoder, EncoderConfig),
+            f"encoder must be an EncoderConfig or a mapping of its fields, got {type(self.encoder).__name__}",
+        )
         if self.cross_attention_layers is not None:
-            self.cross_attention_layers = [int(i) for i in self.cross_attention_layers]
+            layers = self.cross_attention_layers
+            check(
+                isinstance(layers, (list, tuple)) and all(is_int(i) for i in layers),
+                f"cross_attention_layers must be a list of decoder layer indices (whole numbers), or null for "
+                f"all layers; got {layers!r}",
+            )
+            self.cross_attention_layers = [int(i) for i in layers]
         self.validate()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field and its allowed values."""
-        check(self.chunk_length > 0, f"chunk_length must be positive, got {self.chunk_length}")
+        check_positive_int(self.chunk_length, "chunk_length", " (L, encoder tokens per chunk)")
         check(self.init_mode in INIT_MODES, f"init_mode must be one of {INIT_MODES}, got {self.init_mode!r}")
         check(
             self.attn_implementation in ATTN_IMPLS,
@@ -333,12 +386,18 @@ class CepeConfig:
         )
         if self.score_scaling != "none":
             check(
-                bool(self.train_context_tokens) and self.train_context_tokens > 0,
+                self.train_context_tokens is not None,
                 "score_scaling needs train_context_tokens (encoder tokens per training example)",
             )
-        check(self.encoder_micro_batch > 0, "encoder_micro_batch must be positive")
+        if self.train_context_tokens is not None:
+            check_positive_int(
+                self.train_context_tokens,
+                "train_context_tokens",
+                " (encoder tokens per training example) or null",
+            )
+        check_positive_int(self.encoder_micro_batch, "encoder_micro_batch", " (chunks per encoder call)")
         check(
-            self.length_scale is None or (isinstance(self.length_scale, int) and self.length_scale > 0),
+            self.length_scale is None or (is_int(self.length_scale) and self.length_scale > 0),
             f"length_scale must be a positive number of context tokens (or null: off), got {self.length_scale!r}",
         )
         check(
@@ -354,11 +413,11 @@ class CepeConfig:
             "long_gate needs length_scale (the pivot, in context tokens, above which the gates act)",
         )
         check(
-            math.isfinite(self.context_scale) and self.context_scale >= 0,
+            is_number(self.context_scale) and self.context_scale >= 0,
             f"context_scale must be a finite number >= 0 (1.0 = as trained), got {self.context_scale!r}",
         )
         check(
-            isinstance(self.mix_match, int) and not isinstance(self.mix_match, bool) and self.mix_match >= 0,
+            is_int(self.mix_match) and self.mix_match >= 0,
             f"mix_match must be a number of suffix lengths >= 0 (0 = off), got {self.mix_match!r}",
         )
         check(
@@ -391,14 +450,15 @@ class CepeConfig:
                 f"or {name}: false",
             )
         check(
-            self.mix_length_cap is None or (self.mix_length and self.mix_length_cap > 0),
-            f"mix_length_cap caps the heads' length input: give a positive number of tokens with "
-            f"mix_length: true (or mix_length_cap: null), got {self.mix_length_cap}",
+            self.mix_length_cap is None
+            or (self.mix_length and is_int(self.mix_length_cap) and self.mix_length_cap > 0),
+            f"mix_length_cap caps the heads' length input: give a positive whole number of tokens with "
+            f"mix_length: true (or mix_length_cap: null), got {self.mix_length_cap!r}",
         )
         check(
-            math.isfinite(self.mix_copy_decay) and self.mix_copy_decay >= 0,
+            is_number(self.mix_copy_decay) and self.mix_copy_decay >= 0,
             f"mix_copy_decay weighs the copy's votes by (1 + d/64)^-decay: give a finite number ≥ 0 (0: every "
-            f"vote the same), got {self.mix_copy_decay}",
+            f"vote the same), got {self.mix_copy_decay!r}",
         )
         check(
             self.mix_hash in ("exact", "wrap"),
@@ -413,8 +473,17 @@ class CepeConfig:
             self.cross_attention_layers is None or self.num_cross_attn_layers is None,
             "give either cross_attention_layers or num_cross_attn_layers, not both",
         )
+        check(
+            self.cross_attention_layers is None or len(self.cross_attention_layers) > 0,
+            "cross_attention_layers is empty: no layer would read the context; give at least one decoder "
+            "layer index (or null for all layers)",
+        )
         if self.num_cross_attn_layers is not None:
-            check(self.num_cross_attn_layers > 0, "num_cross_attn_layers must be positive")
+            check_positive_int(
+                self.num_cross_attn_layers,
+                "num_cross_attn_layers",
+                " (cross-attention in the last this-many layers)",
+            )
         if self.decoder_vocab_size is not None and self.share_embeddings:
             check(
                 self.encoder.vocab_size == self.decoder_vocab_size,
