@@ -24,9 +24,13 @@ def chunk_ids(
     Args:
         ids: token ids ``(N,)``.
         chunk_length: L, tokens per chunk.
-        max_chunks: keep at most this many chunks (``keep="last"`` keeps those nearest the end).
+        max_chunks: keep at most this many chunks, i.e. at most ``max_chunks · L`` tokens: when ``N`` is
+            more, the ids are cut to that window first (``keep="last"``: the last ``max_chunks · L``
+            tokens, ``"first"``: the first ones) and the window is chunked from its start, so every kept
+            chunk is full and none of the budget goes to padding. Without a cut (``N ≤ max_chunks · L``)
+            the result is exactly that without ``max_chunks``.
         pad_id: id written into padded positions (masked out, value irrelevant).
-        keep: ``"last"`` or ``"first"`` chunks when ``max_chunks`` truncates.
+        keep: ``"last"`` (the tokens nearest the end) or ``"first"``, when ``max_chunks`` truncates.
 
     Returns:
         ``(chunks, mask)``, both ``(K, L)``; ``mask`` is bool, True on real tokens. The last chunk is
@@ -34,18 +38,21 @@ def chunk_ids(
     """
     if chunk_length <= 0:
         raise ValueError(f"chunk_length must be positive, got {chunk_length}")
+    if keep not in ("last", "first"):
+        raise ValueError(f"keep must be 'last' or 'first' (which chunks max_chunks keeps), got {keep!r}")
+    if max_chunks is not None and max_chunks < 0:
+        raise ValueError(f"max_chunks must be 0 or more (or None: no limit), got {max_chunks}")
     t = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if max_chunks is not None and t.numel() > max_chunks * chunk_length:
+        budget = max_chunks * chunk_length
+        t = t[t.numel() - budget :] if keep == "last" else t[:budget]
     n = t.numel()
     k = (n + chunk_length - 1) // chunk_length
     out = torch.full((k * chunk_length,), pad_id, dtype=torch.long)
     out[:n] = t
     mask = torch.zeros(k * chunk_length, dtype=torch.bool)
     mask[:n] = True
-    out, mask = out.view(k, chunk_length), mask.view(k, chunk_length)
-    if max_chunks is not None and k > max_chunks:
-        sl = slice(k - max_chunks, k) if keep == "last" else slice(0, max_chunks)
-        out, mask = out[sl], mask[sl]
-    return out, mask
+    return out.view(k, chunk_length), mask.view(k, chunk_length)
 
 
 def chunk_texts(
