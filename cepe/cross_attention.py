@@ -16,6 +16,7 @@ Shape legend: B batch, T query tokens, S encoder tokens, D_dec / D_enc widths, H
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,9 +47,13 @@ class CrossContext:
         match_memo: per layer, the match statistics of its last call under autograd with the query and
             ``k_proj`` version they came from: gradient checkpointing runs each layer again in backward
             with the same query, and the statistics (no gradient) are then reused, not recomputed.
-        read_state: per layer, where each head read last (``CepeConfig.induction_gate``, ``run_bias``): the
-            key its last query attended to most ``(B, H)`` and the number of decoder tokens seen by then, so
-            that the next incremental call (generation) continues the run; kept only without autograd.
+        read_state: per layer, where each head read at every decoder position so far
+            (``CepeConfig.induction_gate``, ``run_bias``): ``(B, H, P)`` long, entry ``i`` the key the query
+            at position ``i`` attended to most (-1: padding, or not seen by this context), so that an
+            incremental call starting after ``past ≤ P`` tokens continues from entry ``past − 1``: the call
+            that follows, and also one on a cropped cache (assisted decoding) or another continuation of a
+            shorter prefix, reads what a single call over the whole sequence reads (see :meth:`fork` for
+            interleaved branches); kept only without autograd.
         read_memo: :attr:`match_memo` for the induction statistic and the run biases' successor keys.
         match_ids: ``(B, S)`` the context's token ids in order, -1 on padding (``CepeConfig.mix_match``:
             the output mixture's suffix-match inputs); None otherwise.
@@ -63,9 +68,10 @@ class CrossContext:
             0: each one vote).
         match_wrap: the suffixes hashed as adapters saved before the hash fix hash them
             (``CepeConfig.mix_hash`` ``"wrap"``; ``cepe.mixture.HASH_MODES``).
-        mix_tail: the decoder's last ``K - 1`` tokens ``(B, K - 1)`` (-1 where unknown) and the number of
-            decoder tokens seen by then, so that the next incremental call's suffixes continue the
-            sequence; kept only without autograd.
+        mix_tail: the decoder's tokens so far ``(B, P)`` (-1 on padding and where unknown), by position, so
+            that an incremental call starting after ``past ≤ P`` tokens takes the ``K - 1`` tokens before
+            ``past`` from it (the call that follows, a cropped cache, another continuation of a shorter
+            prefix); kept only without autograd.
         reads, base: in a context made by :meth:`with_decoder_rows`, the number of leading rows that read
             and the context of those rows alone: cross-attention runs over ``base`` for them and gives the
             other rows exactly zero, so the rows that read nothing cost nothing (None otherwise). Such a
@@ -85,7 +91,7 @@ class CrossContext:
     align: AlignProbe | None = None
     match_kv: dict[int, MatchKeys] = field(default_factory=dict)
     match_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
-    read_state: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    read_state: dict[int, torch.Tensor] = field(default_factory=dict)
     read_memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
     doubled: CrossContext | None = field(default=None, repr=False, compare=False)
     match_ids: torch.Tensor | None = None
@@ -97,7 +103,7 @@ class CrossContext:
     match_near: bool = False
     match_decay: float = 0.0
     match_wrap: bool = False
-    mix_tail: tuple[torch.Tensor, int] | None = None
+    mix_tail: torch.Tensor | None = None
     grams: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
         default=None, repr=False, compare=False
     )
@@ -114,13 +120,34 @@ class CrossContext:
         """Follow a reordering of the decoder's rows (beam search): each layer's :attr:`read_state` row i
         becomes row ``rows[i]``'s, and so does the decoder's tail (:attr:`mix_tail`: the first rows, those
         that read the context, when the context was doubled for the output mixture)."""
-        for layer, (where, seen) in list(self.read_state.items()):
-            self.read_state[layer] = (where.index_select(0, rows.to(where.device)), seen)
+        for layer, where in list(self.read_state.items()):
+            self.read_state[layer] = where.index_select(0, rows.to(where.device))
         if self.mix_tail is not None:
-            tail, seen = self.mix_tail
-            self.mix_tail = (tail.index_select(0, rows[: tail.shape[0]].to(tail.device)), seen)
+            tail = self.mix_tail
+            self.mix_tail = tail.index_select(0, rows[: tail.shape[0]].to(tail.device))
         if self.base is not None:  # the rows that read keep their layers' state in the base context
             self.base.reorder(rows[: self.reads])
+
+    def fork(self) -> CrossContext:
+        """This context with its own copy of the per-position history (:attr:`read_state`,
+        :attr:`mix_tail`; the tensors are shared, nothing is copied): give each branch its own fork when
+        several continuations of one prefix cache run interleaved (one branch's call after another's
+        that went further than the branch point), since a context keeps one history, that of its last
+        call. Branches run one after another need none: a call after ``past`` tokens reads the history
+        before ``past`` only. A doubled context (the output mixture) forks with its base."""
+        if self.base is not None:
+            out = self.base.fork().with_decoder_rows()
+            out.mix_tail, out.successors, out.grams = self.mix_tail, self.successors, self.grams
+            return out
+        # the projections (kv, match_kv) are the same: shared, not redone; histories are replaced, not
+        # changed in place, by later calls
+        out = dataclasses.replace(
+            self, read_state=dict(self.read_state), read_memo={}, match_memo={}, doubled=None
+        )
+        if self.doubled is not None:  # the output mixture's suffix history lives in the doubled context
+            d, mine = out.with_decoder_rows(), self.doubled
+            d.mix_tail, d.successors, d.grams = mine.mix_tail, mine.successors, mine.grams
+        return out
 
     def suffix_features(self, input_ids: torch.Tensor, past: int) -> torch.Tensor:
         """The suffix-match inputs ``(n, T, F)`` of the decoder rows ``input_ids`` ``(n, T)``: the features
@@ -131,9 +158,10 @@ class CrossContext:
         """The suffix-match inputs ``(n, T, K (+ 1) (+ K))`` of the decoder rows ``input_ids`` ``(n, T)``
         (the first ``n`` rows of this context), a call that starts after ``past`` decoder tokens, and with
         :attr:`match_copy` where each position's copy lies (``cepe.mixture.CopySpans`` ``(n, T)``; else
-        None). The tokens before the call come from :attr:`mix_tail` when the previous call ended there
-        (else they are unknown and match nothing); without autograd the end of this call is kept for the
-        next. The features: the K indicators, with :attr:`match_length` the context's length input, then
+        None). The tokens before the call come from :attr:`mix_tail`, the tokens by position, when it
+        holds ``past`` or more (a continuation, or a cropped cache); else they are unknown and match
+        nothing, with a warning (:func:`warn_unknown_history`). Without autograd this call's tokens are
+        kept after the first ``past``. The features: the K indicators, with :attr:`match_length` the context's length input, then
         with :attr:`match_agree` the K successor agreements (``cepe.mixture.head_inputs``)."""
         from cepe.mixture import (
             context_successors,
@@ -156,14 +184,13 @@ class CrossContext:
                 ids, ids >= 0, k, recency=self.match_near, decay=self.match_decay, wrap=self.match_wrap
             )
             self.grams = grams_of(self.successors)
+        before = history_before(self.mix_tail, n, past)  # (n, past) or None
+        if before is None and past > 0 and k > 1:
+            warn_unknown_history("the output mixture's suffix matches (mix_match)", past, self.mix_tail)
         tail = None
-        if (
-            past > 0
-            and self.mix_tail is not None
-            and self.mix_tail[1] == past
-            and self.mix_tail[0].shape[0] == n
-        ):
-            tail = self.mix_tail[0]
+        if before is not None and k > 1:  # the K - 1 tokens before the call, -1 before position 0
+            tail = torch.cat([input_ids.new_full((n, k - 1), -1), before.to(input_ids.device)], dim=1)
+            tail = tail[:, -(k - 1) :]
         hashes = suffix_hashes(input_ids, k, tail, self.match_wrap)  # per order (n, T)
         agree = suffix_agreement(input_ids, self.grams[:n], tail, hashes)  # (n, T, K)
         spans = None
@@ -171,8 +198,9 @@ class CrossContext:
             spans = copy_spans(input_ids, self.successors.rows(n), tail, hashes)
         feats = (agree > 0).float()
         if not torch.is_grad_enabled() and k > 1:
-            before = tail if tail is not None else input_ids.new_full((n, k - 1), -1)
-            self.mix_tail = (torch.cat([before, input_ids], dim=1)[:, -(k - 1) :], past + input_ids.shape[1])
+            if before is None:  # the tokens before this call are unknown
+                before = input_ids.new_full((n, past), -1)
+            self.mix_tail = torch.cat([before.to(input_ids.device), input_ids], dim=1)  # (n, past + T)
         if self.match_length:
             n_real = (self.match_ids[:n] >= 0).sum(-1)  # (n,) real context tokens
             if self.match_length_cap is not None:
@@ -249,6 +277,33 @@ class CrossContext:
             match_decay=self.match_decay,
             match_wrap=self.match_wrap,
         )
+
+
+def history_before(history: torch.Tensor | None, rows: int, past: int) -> torch.Tensor | None:
+    """The first ``past`` positions ``(rows, ..., past)`` of a per-position history ``(rows, ..., P)``
+    (``CrossContext.read_state``'s, ``mix_tail``), or None when there is nothing before (``past`` 0) or it
+    does not hold them: no history, another number of rows, or fewer than ``past`` positions (the cache
+    holds tokens this context did not see)."""
+    if history is None or past == 0 or history.shape[0] != rows or history.shape[-1] < past:
+        return None
+    return history[..., :past]
+
+
+def warn_unknown_history(what: str, past: int, history: torch.Tensor | None) -> None:
+    """Warn that an incremental call after ``past`` decoder tokens finds no history of them in its context
+    (``history``: what it holds), so ``what`` reads those tokens as unknown and the logits differ from a
+    single call over the whole sequence."""
+    import warnings
+
+    held = "none" if history is None else f"{tuple(history.shape)}"
+    warnings.warn(
+        f"cepe: a call continues a cache of {past} decoder tokens, but this context has no record of them "
+        f"(its history: {held}), so {what} treat them as unknown and the logits differ from one call over "
+        "the whole sequence: pass the same cross_context to every call on that cache (model.generate "
+        "does), starting from an empty cache",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @dataclass
@@ -1003,10 +1058,10 @@ class CrossAttention(nn.Module):
         same queries, whose ``m + log n`` is the logsumexp the statistic needs (unclamped below
         :data:`MATCH_LOGIT_BOUND`). ``pad`` ``(B, T)``: padding columns, whose queries read nowhere (the
         next query has no previous token), so that a left-padded row reads as it does alone."""
-        prev = None
-        state = ctx.read_state.get(self.layer_idx)
-        if past > 0 and state is not None and state[1] == past and state[0].shape[0] == q.shape[0]:
-            prev = state[0]
+        history = history_before(ctx.read_state.get(self.layer_idx), q.shape[0], past)  # (B, H, past)
+        prev = None if history is None or past == 0 else history[..., past - 1]  # (B, H)
+        if history is None and past > 0:
+            warn_unknown_history("the induction gates / run biases", past, ctx.read_state.get(self.layer_idx))
         want_feat = self.induction_gate is not None
 
         @torch.no_grad()
@@ -1025,11 +1080,13 @@ class CrossAttention(nn.Module):
                 best = best.masked_fill(pad[:, None, :], -1)
             feat = _induction_feature(q, k, key_mask, self.scale, lse, best, prev) if want_feat else None
             succ = None if self.run_bias is None else successor_keys(best, prev, key_mask, k.shape[2])[1]
-            return feat, succ, best[..., -1]
+            return feat, succ, best
 
         if not torch.is_grad_enabled():
-            feat, succ, last = compute()
-            ctx.read_state[self.layer_idx] = (last, past + q.shape[2])
+            feat, succ, best = compute()
+            if history is None:  # where the heads read before this call is unknown
+                history = best.new_full((*best.shape[:2], past), -1)
+            ctx.read_state[self.layer_idx] = torch.cat([history.to(best.device), best], dim=-1)
             return feat, succ
         return self._once_per_query(ctx.read_memo, q, lambda: compute()[:2])
 

@@ -260,9 +260,9 @@ def test_incremental_calls_continue_the_suffixes(mode):
 def test_beam_search_reorders_the_suffix_tails():
     check_beam_scores(_matched())
     ctx = CrossContext(torch.zeros(4, 2, 3), match_ids=torch.zeros(4, 5, dtype=torch.long), match_order=3)
-    ctx.mix_tail = (torch.tensor([[1, 2], [3, 4]]), 7)
+    ctx.mix_tail = torch.tensor([[1, 2, 5], [3, 4, 6]])  # the tokens by position
     ctx.reorder(torch.tensor([1, 1, 3, 3]))  # a doubled context: the first half's rows
-    assert torch.equal(ctx.mix_tail[0], torch.tensor([[3, 4], [3, 4]])) and ctx.mix_tail[1] == 7
+    assert torch.equal(ctx.mix_tail, torch.tensor([[3, 4, 6], [3, 4, 6]]))
 
 
 def test_the_doubled_context_copies_nothing():
