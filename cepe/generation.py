@@ -11,9 +11,19 @@ import torch
 
 from .chunking import chunk_ids
 
+# The seed of a fresh (untrained) CEPE encoder and cross-attention built around a plain decoder by
+# :func:`load_model`: every process builds the same weights, so a context store written by one
+# ``cepe context add --model <decoder>`` is readable by the next ``cepe ask`` / ``cepe serve`` (the store
+# checks the adapter's fingerprint, which hashes those weights).
+FRESH_ENCODER_SEED = 0
+
 
 def load_model(model: str, dtype: torch.dtype = torch.float32):
     """Load a CEPE model: an adapter / released directory, or a plain decoder name (fresh encoder).
+
+    A fresh encoder is initialised from :data:`FRESH_ENCODER_SEED` (the caller's global torch RNG is
+    neither read nor advanced), so it is the same in every process and a context store written with it
+    can be read again.
 
     Returns:
         ``(model, tokenizer, fresh)`` where ``fresh`` is True when the encoder is untrained.
@@ -26,7 +36,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32):
         m = CepeForCausalLM.from_pretrained(path, dtype=dtype)
         tok_source = m.cepe_config.decoder_name_or_path or str(path)
         return m.eval(), load_tokenizer(tok_source), False
-    m = CepeForCausalLM.from_decoder(model, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(FRESH_ENCODER_SEED)
+        m = CepeForCausalLM.from_decoder(model, dtype=dtype)
     return m.eval(), load_tokenizer(model), True
 
 
@@ -51,6 +63,22 @@ def _is_released(path: Path) -> bool:
         return "encoder_config" in json.load(f)
 
 
+def _plain_prompt_ids(tokenizer, prompt: str, dec_ctx: list[int]) -> list[int]:
+    """The decoder's input without a chat template: ``dec_ctx`` (context tokens kept in the decoder) then the
+    prompt, inside the special tokens that the tokenizer adds by default to a text (``tokenizer(prompt)``,
+    as a user would call it: a Llama tokenizer's BOS first; SmolLM2's adds none, the byte tokenizer none by
+    default). Empty when both the kept context and the prompt have no tokens."""
+    plain = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not dec_ctx and not plain:
+        return []
+    full = list(tokenizer(prompt)["input_ids"])  # the tokenizer's default: its special tokens around the text
+    n = len(plain)
+    at = next((i for i in range(len(full) - n + 1) if full[i : i + n] == plain), None)
+    if at is None:  # the special tokens are not around the text (a tokenizer that merges them): as it gives
+        return list(dec_ctx) + full
+    return full[:at] + list(dec_ctx) + plain + full[at + n :]
+
+
 def generate_from_context(
     model,
     tokenizer,
@@ -63,6 +91,9 @@ def generate_from_context(
 ) -> str:
     """Answer ``prompt`` about a long ``context``: the context goes to the encoder in chunks of
     ``chunk_length`` tokens, except its last ``decoder_tokens`` tokens, which stay in the decoder.
+    ``chat``: the decoder reads the kept tokens and the prompt as a user turn of the tokenizer's chat
+    template (when it has one); otherwise as plain text inside the special tokens the tokenizer adds by
+    default (a Llama tokenizer's BOS first).
 
     Returns:
         The generated text (greedy decoding).
@@ -85,7 +116,7 @@ def generate_from_context(
         if isinstance(prompt_ids, dict):
             prompt_ids = prompt_ids["input_ids"]
     else:
-        prompt_ids = dec_ctx + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = _plain_prompt_ids(tokenizer, prompt, dec_ctx)
     if not len(prompt_ids):
         raise ValueError("the prompt is empty (no tokens): give a question or an instruction")
     device = next(model.parameters()).device
