@@ -10,9 +10,11 @@ without importing torch.
 Type rules (the field annotations are read as strings, ``from __future__ import annotations``):
 ``bool`` fields take only ``true``/``false``; ``int`` and ``float`` fields take numbers, numeric strings
 (YAML reads ``1e-3`` as text) or ``true``/``false`` (1 / 0) and become that number type (an ``int`` field rejects ``1.5``); ``str`` fields
-take strings; ``list[...]`` / ``tuple[...]`` fields take lists, ``dict[...]`` fields mappings; a section (a field whose default is a dataclass)
-a mapping, built the same way; ``Literal[...]``
-fields one of the listed values; ``X | None`` also ``null``. Anything else is passed through unchecked.
+take strings; ``list[...]`` / ``tuple[...]`` fields take lists, each item by these same rules (``key[i]`` in
+errors; an item already of its type is kept as it is), ``dict[...]`` fields mappings; a section (a field whose
+default is a dataclass) a mapping, built the same way (anything else is refused); ``Literal[...]``
+fields one of the listed values, and so do fields with ``field(metadata={"choices": ...})`` (each item of a
+list); ``X | None`` also ``null``. Anything else is passed through unchecked.
 """
 
 from __future__ import annotations
@@ -187,9 +189,74 @@ def load_config(
 
 def _value(f: dataclasses.Field, value: Any, key: str) -> Any:
     nested = _nested_dataclass(f)
-    if nested is not None and isinstance(value, dict):
-        return build(nested, value, key)  # a section: ``optim: {lr: ...}``
-    return _coerce(str(f.type), value, key)
+    if nested is not None:
+        if isinstance(value, dict):
+            return build(nested, value, key)  # a section: ``optim: {lr: ...}``
+        if not isinstance(value, nested):  # (null was dropped before: the section's defaults)
+            raise ValueError(
+                f"{key} is a section: give it a mapping of its keys ({f.name}: {{KEY: VALUE}} in a file, "
+                f"--set {f.name}.KEY=VALUE), got {value!r}"
+            )
+        return value
+    value = _coerce(str(f.type), value, key)
+    choices = f.metadata.get("choices")
+    if choices and value is not None:  # the generated flag's choices, for a file and --set too
+        if isinstance(value, (list, tuple)):
+            bad = [item for item in value if item not in choices]
+            if bad:
+                raise ValueError(f"{key}: unknown {f.name} {bad}; choose from {list(choices)}")
+        elif value not in choices:
+            raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _element_kinds(base: str, n: int) -> list[str] | None:
+    """The element types of a ``list[X]`` / ``tuple[X, ...]`` / ``tuple[X, Y]`` annotation for ``n`` items
+    (None: not a typed sequence, or a tuple of another length, left to the dataclass)."""
+    for head in ("list[", "tuple["):
+        if base.startswith(head) and base.endswith("]"):
+            inner = [p.strip() for p in _split_top(base[len(head) : -1])]
+            if head == "list[" and len(inner) == 1:
+                return inner * n
+            if len(inner) == 2 and inner[1] == "...":
+                return inner[:1] * n
+            return inner if len(inner) == n and "..." not in inner else None
+    return None
+
+
+def _split_top(text: str) -> list[str]:
+    """``"int, dict[str, int]"`` → ``["int", " dict[str, int]"]``: split at commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def _coerce_items(kind: str, value: list | tuple, key: str) -> list | tuple:
+    """Each item of a typed list by the scalar rules (``key[i]`` in errors). An item already of its type is
+    kept as it is (an int in a ``list[float]`` stays an int, so a config's fingerprint does not change);
+    a numeric string or an integral float is converted; anything else is refused."""
+    kinds = _element_kinds(kind, len(value))
+    if kinds is None:
+        return value
+    out = []
+    for i, (item_kind, item) in enumerate(zip(kinds, value, strict=True)):
+        ok = {
+            "int": isinstance(item, int),
+            "float": isinstance(item, (int, float)),
+            "str": isinstance(item, str),
+            "bool": isinstance(item, bool),
+        }.get(item_kind)
+        if ok is False:
+            item = _coerce(item_kind, item, f"{key}[{i}]")
+        elif ok is None and item_kind.startswith("Literal["):
+            _coerce(item_kind, item, f"{key}[{i}]")  # one of the listed values
+        out.append(item)
+    return type(value)(out)
 
 
 def _split_optional(kind: str) -> tuple[str, bool]:
@@ -231,10 +298,10 @@ def _coerce(kind: str, value: Any, key: str) -> Any:
         return number
     if base == "str" and not isinstance(value, str):
         raise ValueError(f"{key} must be a string, got {value!r}")
-    if (base.startswith(("list[", "tuple[")) or base in ("list", "tuple")) and not isinstance(
-        value, (list, tuple)
-    ):
-        raise ValueError(f"{key} must be a list, got {value!r}")
+    if base.startswith(("list[", "tuple[")) or base in ("list", "tuple"):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return _coerce_items(base, value, key)
     if (base.startswith("dict[") or base == "dict") and not isinstance(value, dict):
         raise ValueError(f"{key} must be a mapping, got {value!r}")
     if base.startswith("Literal[") and base.endswith("]"):

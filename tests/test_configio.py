@@ -243,3 +243,52 @@ def test_extends_errors_name_the_file(tmp_path):
     (tmp_path / "e.yaml").write_text("extends: []\n")
     with pytest.raises(ValueError, match="extends must be a config file path"):
         read_config_file(tmp_path / "e.yaml")
+
+
+def test_sections_choices_and_list_items_are_checked_by_the_loader(tmp_path):
+    """Before, a section given a scalar passed through (a traceback where it was used), ``choices`` held only
+    for the flag (a file or ``--set`` could give anything), and list items were never checked (``["4096"]``
+    and ``[4096.5]`` reached the code as they were). Now the loader refuses or converts them like scalars."""
+    from cepe.bench.config import BenchConfig, StoreBenchConfig
+    from cepe.configio import build, load_config
+    from cepe.serve_config import ServeConfig
+
+    with pytest.raises(
+        ValueError, match=r"serve\.limits is a section: give it a mapping .*--set limits\.KEY=VALUE\), got 5"
+    ):
+        build(ServeConfig, {"store": "s", "limits": 5}, "serve")
+    assert build(ServeConfig, {"store": "s", "limits": None}, "serve").limits.max_queue > 0  # null: defaults
+    with pytest.raises(
+        ValueError, match=r"serve\.dtype must be one of \['bf16', 'fp32', 'fp16'\], got 'fp64'"
+    ):
+        build(ServeConfig, {"store": "s", "dtype": "fp64"}, "serve")
+    with pytest.raises(ValueError, match=r"c\.cache must be one of .*got 'foo'"):
+        build(StoreBenchConfig, {"cache": "foo"}, "c")
+    with pytest.raises(ValueError, match=r"c\.store_dtype must be one of .*got 'int8'"):
+        build(StoreBenchConfig, {"store_dtype": "int8"}, "c")
+    with pytest.raises(ValueError, match=r"c\.methods: unknown methods \['nope'\]; choose from \['cepe'"):
+        build(BenchConfig, {"methods": ["cepe", "nope"]}, "c")
+    with pytest.raises(ValueError, match=r"c\.lengths\[0\] must be an integer, got 4096\.5"):
+        build(BenchConfig, {"lengths": [4096.5]}, "c")
+    with pytest.raises(ValueError, match=r"c\.lengths\[1\] must be a number \(int\), got 'lots'"):
+        build(StoreBenchConfig, {"lengths": [1, "lots"]}, "c")
+    assert build(StoreBenchConfig, {"lengths": ["4096", 8192.0]}, "c").lengths == [4096, 8192]  # as scalars
+    with pytest.raises(ValueError, match=r"lengths\[0\] must be a number \(int\), got '1\.5e4'"):
+        load_config(BenchConfig, overrides=["lengths=[1.5e4, 2048]"])  # as for an int: YAML's text, refused
+    with pytest.raises(ValueError, match=r"d\.name must be a string"):  # scalar rules unchanged
+        build(Demo, {"name": 3}, "d")
+    with pytest.raises(ValueError, match=r"d\.sizes\[0\] must be a number \(int\), got \[1\]"):
+        build(Demo, {"sizes": [[1]]}, "d")
+    with pytest.raises(ValueError, match=r"d\.mode must be one of \['p', 'q', 'r'\], got 's'"):
+        build(Demo, {"mode": "s"}, "d")
+    # items already of their type are kept as they are (an int in a list[float] stays an int)
+    from cepe.training.config import OptimConfig
+
+    assert build(OptimConfig, {"betas": [1, 0.99]}, "o").betas == [1, 0.99]
+    assert type(build(OptimConfig, {"betas": [1, 0.99]}, "o").betas[0]) is int
+    assert build(OptimConfig, {"betas": ["0.9", 0.99]}, "o").betas == [0.9, 0.99]
+    conf = tmp_path / "bad.yaml"
+    conf.write_text("store: s\nlimits: 5\n")
+    from cepe.cli import main
+
+    assert main(["serve", "--config", str(conf)]) == 2  # was an AttributeError traceback after loading
