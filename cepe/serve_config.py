@@ -54,8 +54,10 @@ class ServeLimits:
                 raise ValueError(f"{flag} must be at least {low}, got {value}: with it no request is served")
         if not self.request_timeout_s > 0:
             raise ValueError(f"--timeout must be more than 0 seconds, got {self.request_timeout_s}")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"--shutdown-grace must be 0 seconds or more, got {self.shutdown_grace_s}")
+        if not 0 <= self.shutdown_grace_s < float("inf"):  # NaN too
+            raise ValueError(
+                f"--shutdown-grace must be 0 seconds or more (a finite number), got {self.shutdown_grace_s}"
+            )
 
 
 SERVE_LIMIT_FLAGS = {
@@ -90,7 +92,9 @@ class ContextAddConfig:
 
     Attributes:
         store: store directory (created if missing).
-        model: a CEPE adapter directory (as for ``cepe generate``) or ``tiny`` (a random test model).
+        model: a CEPE adapter directory (as for ``cepe generate``), a plain decoder (``default``: the
+            project's decoder, with an untrained encoder built the same in every process, so a store
+            stays readable but the context cannot help yet) or ``tiny`` (a random test model).
         dtype: storage dtype of a new store (an existing store keeps its own).
     """
 
@@ -106,7 +110,7 @@ class AskConfig:
     Attributes:
         store: the store directory.
         context: context id(s), comma-separated.
-        model: the model that wrote the store.
+        model: the model that wrote the store (as for ``cepe context add``; default ``default``).
         max_new_tokens: tokens generated (greedy).
         budget: attend to at most this many context tokens (the chunks selected by ``retriever``; default:
             all of them).
@@ -136,7 +140,9 @@ class ServeConfig:
 
     Attributes:
         store: context store directory (created if missing).
-        model: a CEPE adapter directory (as for ``cepe generate``) or ``tiny`` (a random test model).
+        model: a CEPE adapter directory (as for ``cepe generate``), a plain decoder (``default``: the
+            project's decoder, with an untrained encoder built the same in every process, so a store
+            stays readable but the context cannot help yet) or ``tiny`` (a random test model).
         dtype: storage dtype of a new store.
         host: bind address (default loopback only; another needs ``CEPE_API_KEY`` or ``allow_no_auth``).
         port: TCP port.

@@ -17,8 +17,10 @@ Endpoints:
 
 One model serves one request at a time on a worker thread. Requests wait in a bounded queue: when it is
 full a request gets 429 (with ``Retry-After``); during shutdown 503. Per-request limits: prompt tokens,
-new tokens, upload bytes, and a time limit (waiting included) after which generation stops (the answer
-ends with ``finish_reason: "length"`` and ``cepe.timed_out: true``). A client that disconnects
+new tokens, upload bytes, and a time limit (waiting included): a request still queued at it gets 503
+then (it never runs); a running one stops generating (the answer ends with ``finish_reason: "length"`` and
+``cepe.timed_out: true``). A ``temperature`` under :data:`GREEDY_BELOW` decodes greedily as 0 does;
+``null`` for ``stream``, ``top_p`` or ``n`` is the default, as in OpenAI's API. A client that disconnects
 mid-stream stops its generation at the next token. On SIGTERM / SIGINT the server stops accepting,
 fails queued requests with 503, lets the running one finish within ``shutdown_grace_s`` (then stops it)
 and exits. It listens on 127.0.0.1 unless told otherwise; bound elsewhere it requires a bearer token
@@ -108,6 +110,8 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.reason: str | None = None
+        self.started = False  # taken by the worker (see :meth:`start` and :meth:`expire`)
+        self._state = threading.Lock()
         for fut in (self.ready, self.done):
             fut.add_done_callback(_consume)  # an unawaited failure is not a warning: it was reported
 
@@ -120,6 +124,23 @@ class Job:
         if time.monotonic() > self.deadline:
             self.cancel("timeout")
         return self.cancelled.is_set()
+
+    def start(self) -> bool:
+        """The worker takes the job: False (and it must not run) when it was stopped while queued."""
+        with self._state:
+            if self.should_stop():
+                return False
+            self.started = True
+            return True
+
+    def expire(self) -> bool:
+        """Cancel a job still queued past its deadline (``"timeout"``): True when it will never run; False
+        when the worker has it already (it then stops at its next token, see :func:`_stopping`)."""
+        with self._state:
+            if self.started:
+                return False
+            self.cancel("timeout")
+            return True
 
     def _resolve(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
         def set_it() -> None:
@@ -189,7 +210,7 @@ class ModelWorker:
                 self.running = job
             value, error = None, None
             try:
-                if job.should_stop():
+                if not job.start():
                     raise ServiceError(503, f"gave up waiting for the model ({job.reason})", "server_error")
                 value = job.run(job)
             except BaseException as err:  # every failure is reported to its request; the worker lives on
@@ -351,8 +372,10 @@ class CepeService:
                 **(ctx.encoder_kwargs() if ctx is not None else {}),
             )
             ids = streamer.ids
-            # ended before max_new_tokens without being stopped: the model's end-of-sequence
-            finish = "stop" if len(ids) < spec["max_new_tokens"] and job.reason is None else "length"
+            # ended by the model's end-of-sequence (before max_new_tokens, or as the last allowed token)
+            # without being stopped
+            ended = len(ids) < spec["max_new_tokens"] or bool(ids) and ids[-1] in _eos_ids(self.model)
+            finish = "stop" if ended and job.reason is None else "length"
             info = {
                 "finish_reason": finish,
                 "completion_tokens": len(ids),
@@ -364,6 +387,20 @@ class CepeService:
             return info
 
         return Job(loop, run, deadline)
+
+
+def _eos_ids(model) -> set[int]:
+    """The end-of-sequence ids ``model.generate`` stops at (its decoder's generation config)."""
+    config = getattr(getattr(model, "decoder", model), "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+GREEDY_BELOW = 1e-4
+"""A ``temperature`` under this (but not 0) decodes greedily, as 0 does: dividing the logits by a smaller one
+overflows to inf / NaN, and the sample is the most likely token anyway."""
 
 
 def create_app(service: CepeService, api_key: str | None = None):
@@ -386,12 +423,13 @@ def create_app(service: CepeService, api_key: str | None = None):
         model: str | None = None
         max_tokens: int | None = Field(None, ge=1)
         max_completion_tokens: int | None = Field(None, ge=1)
-        stream: bool = False
+        # null (as OpenAI's API allows) is the default: stream false, top_p 1, n 1
+        stream: bool | None = False
         stream_options: StreamOptions | None = None
         temperature: float | None = Field(None, ge=0.0, le=2.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        top_p: float | None = Field(1.0, gt=0.0, le=1.0)
         seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch's seed range
-        n: int = Field(1, ge=1, le=1)
+        n: int | None = Field(1, ge=1, le=1)
         stop: None = None
         contexts: list[str] = Field(default_factory=list, max_length=64)
         context_budget: int | None = Field(None, ge=1)
@@ -441,12 +479,15 @@ def create_app(service: CepeService, api_key: str | None = None):
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(req: ChatRequest, request: Request):
-        spec = _completion_spec(service, req, [m.model_dump() for m in req.messages], None)
+        messages = [m.model_dump() for m in req.messages]
+        # off the event loop: the chat template and the tokenizer over a prompt of up to the body limit
+        # take seconds, and may wait for the tokenizer's lock while the model thread tokenizes an upload
+        spec = await asyncio.to_thread(_completion_spec, service, req, messages, None)
         return await _complete(service, req, spec, chat=True, request=request)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest, request: Request):
-        spec = _completion_spec(service, req, None, req.prompt)
+        spec = await asyncio.to_thread(_completion_spec, service, req, None, req.prompt)
         return await _complete(service, req, spec, chat=False, request=request)
 
     return app
@@ -538,7 +579,7 @@ def _add_context_routes(app, service: CepeService, guarded: list[Any]) -> None:
 
         job = Job(loop, run, time.monotonic() + limits.request_timeout_s)
         service.worker.submit(job)
-        cid, added = await job.done
+        cid, added = await _until(job.done, job, request)  # queued past the time limit, or the client left
         view = _context_view(_store_call(service.store.show, cid))  # a DELETE may have come in between
         return JSONResponse({**view, "added": added}, status_code=201 if added else 200)
 
@@ -591,8 +632,8 @@ def _completion_spec(
         "budget": budget,
         "retriever": req.retriever,
         "max_new_tokens": max_new,
-        "temperature": req.temperature or 0.0,
-        "top_p": req.top_p,
+        "temperature": 0.0 if (req.temperature or 0.0) < GREEDY_BELOW else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
         "seed": req.seed,
     }
 
@@ -661,15 +702,20 @@ DISCONNECT_POLL_S = 0.25
 async def _until(fut: asyncio.Future, job: Job, request: Any) -> Any:
     """``await fut``, while checking every :data:`DISCONNECT_POLL_S` that the client of ``request`` is still
     connected: the server does not cancel a handler whose client left, so a client that leaves stops its
-    job here (queued: it never runs; running: it stops at its next token)."""
+    job here (queued: it never runs; running: it stops at its next token). A job still queued at its
+    deadline is cancelled and answered 503 then, however long the worker stays busy."""
     while True:
+        left = job.deadline - time.monotonic()
+        wait = DISCONNECT_POLL_S if job.started else min(DISCONNECT_POLL_S, max(left, 0.0))
         try:
-            done, _ = await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
+            done, _ = await asyncio.wait({fut}, timeout=wait)
         except asyncio.CancelledError:
             job.cancel("client gone")
             raise
         if done:
             return fut.result()
+        if time.monotonic() >= job.deadline and job.expire():
+            raise ServiceError(503, "gave up waiting for the model (timeout)", "server_error")
         if request is not None and await request.is_disconnected():
             job.cancel("client gone")
             raise ServiceError(499, "the client closed the connection", "client_closed")
@@ -823,10 +869,13 @@ def _parse_upload(body: bytes, content_type: str) -> tuple[str, str | None]:
         if name is not None and not isinstance(name, str):
             raise ServiceError(400, '"name" must be a string')
         text = data["text"]
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ServiceError(400, f"the text is not valid Unicode ({err.reason})") from err
+        for what, value in (("the text", text), ('"name"', name or "")):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ServiceError(
+                    400, f"{what} is not valid Unicode ({err.reason}); send it as UTF-8 text"
+                ) from err
     else:
         try:
             text = body.decode("utf-8")

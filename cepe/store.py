@@ -85,6 +85,20 @@ class CorruptContext(StoreError):
     """A stored file fails its hash or layout check."""
 
 
+def _check_name(name: Any) -> None:
+    """Refuse a context name that cannot be stored (it goes into the file's UTF-8 metadata)."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise StoreError(f"a context name must be text (str), got {type(name).__name__}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise StoreError(
+            f"the context name {ascii(name[:200])} is not valid Unicode ({err.reason}); give a UTF-8 name"
+        ) from err
+
+
 # ---------------------------------------------------------------------------------------- fingerprints
 def _sha256_tensor(h: Any, name: str, t: torch.Tensor | np.ndarray) -> None:
     arr = (
@@ -182,8 +196,19 @@ def read_safetensors_mmap(
     Raises:
         CorruptContext: truncated file, unreadable header, offsets outside the file or a size mismatch.
     """
-    size = path.stat().st_size
+    tensors, meta, raw, _ = _read_mapped(path)
+    return tensors, meta, raw
+
+
+def _read_mapped(
+    path: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, np.ndarray], os.stat_result]:
+    """:func:`read_safetensors_mmap` and the file's ``stat``, all from one open file: the header, the
+    mapped data and the stat belong to the same file even when another process replaces ``path`` meanwhile
+    (a file removed and written again under the same name)."""
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        size = st.st_size
         head = f.read(8)
         if len(head) < 8:
             raise CorruptContext(f"{path.name}: truncated (no header)")
@@ -196,30 +221,30 @@ def read_safetensors_mmap(
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CorruptContext(f"{path.name}: corrupted header ({err})") from err
-    if not isinstance(header, dict):
-        raise CorruptContext(f"{path.name}: corrupted header (not an object)")
-    meta = header.pop("__metadata__", None) or {}
-    data_start, data_len = 8 + n, size - 8 - n
-    tensors, raw = {}, {}
-    for name, info in header.items():
-        try:
-            np_dt, torch_dt = _ST_DTYPES[info["dtype"]]
-            shape = [int(s) for s in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptContext(f"{path.name}: corrupted header entry {name!r}") from err
-        count = int(np.prod(shape)) if shape else 1
-        if not (0 <= begin <= end <= data_len) or end - begin != count * np.dtype(np_dt).itemsize:
-            raise CorruptContext(
-                f"{path.name}: tensor {name!r} lies outside the file or has the wrong size (truncated?)"
-            )
-        if end == begin:
-            arr = np.zeros(0, dtype=np.uint8)
-        else:
-            arr = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start + begin, shape=(end - begin,))
-        raw[name] = arr
-        tensors[name] = torch.from_numpy(arr).view(torch_dt).reshape(shape)
-    return tensors, meta, raw
+        if not isinstance(header, dict):
+            raise CorruptContext(f"{path.name}: corrupted header (not an object)")
+        meta = header.pop("__metadata__", None) or {}
+        data_start, data_len = 8 + n, size - 8 - n
+        tensors, raw = {}, {}
+        for name, info in header.items():
+            try:
+                np_dt, torch_dt = _ST_DTYPES[info["dtype"]]
+                shape = [int(s) for s in info["shape"]]
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CorruptContext(f"{path.name}: corrupted header entry {name!r}") from err
+            count = int(np.prod(shape)) if shape else 1
+            if not (0 <= begin <= end <= data_len) or end - begin != count * np.dtype(np_dt).itemsize:
+                raise CorruptContext(
+                    f"{path.name}: tensor {name!r} lies outside the file or has the wrong size (truncated?)"
+                )
+            if end == begin:
+                arr = np.zeros(0, dtype=np.uint8)
+            else:  # mapped from this open file (the map keeps it readable once it is closed)
+                arr = np.memmap(f, dtype=np.uint8, mode="c", offset=data_start + begin, shape=(end - begin,))
+            raw[name] = arr
+            tensors[name] = torch.from_numpy(arr).view(torch_dt).reshape(shape)
+    return tensors, meta, raw, st
 
 
 # ---------------------------------------------------------------------------------------- records
@@ -492,10 +517,12 @@ class ContextStore:
             ``(id, added)``; ``added`` is False when the same text was already stored.
 
         Raises:
-            StoreError: empty text, or a store written for another model.
+            StoreError: empty text, a name that is not valid Unicode (checked before encoding), or a store
+                written for another model.
         """
         if not isinstance(text, str):
             raise StoreError(f"a context must be text (str), got {type(text).__name__}")
+        _check_name(name)
         self._model_info()
         cid = context_id(text)
         if self._stored(cid):
@@ -520,7 +547,11 @@ class ContextStore:
 
         Returns:
             ``(id, added)``.
+
+        Raises:
+            StoreError: a name that is not valid Unicode, or a store written for another model.
         """
+        _check_name(name)
         self._model_info()
         raw = np.asarray(list(ids), dtype=np.int32).tobytes()
         source = hashlib.sha256(raw).hexdigest()
@@ -541,6 +572,7 @@ class ContextStore:
         return True
 
     def _add(self, cid, ids, name, source_sha256, encoded=None) -> tuple[str, bool]:
+        _check_name(name)
         info = self._model_info()
         if not ids:
             raise StoreError("the context is empty (no tokens); give some text")
@@ -616,6 +648,15 @@ class ContextStore:
                 files.append(p)
             else:
                 raise StoreError(f"{p}: no such file or directory")
+        for f in files:  # the name is stored as the context's label: refused before any file is encoded
+            try:
+                f.name.encode("utf-8")
+            except UnicodeEncodeError as err:
+                shown = os.fsencode(f).decode("utf-8", "backslashreplace")
+                raise StoreError(
+                    f"{shown}: the file name is not UTF-8; it is kept as the context's name, so rename the "
+                    "file (nothing was added)"
+                ) from err
         out = []
         for f in files:
             try:
@@ -692,9 +733,8 @@ class ContextStore:
             for another model.
         """
         f = self._file(cid)
-        try:
-            st = f.stat()
-            tensors, meta, raw = read_safetensors_mmap(f)
+        try:  # the stamp, header and data of one file (another process may replace it meanwhile)
+            tensors, meta, raw, st = _read_mapped(f)
         except FileNotFoundError:  # never stored, or removed meanwhile
             raise ContextNotFound(f"no context {cid} in {self.path}") from None
         missing = {"states", "key_mask", "token_ids"} - set(tensors)

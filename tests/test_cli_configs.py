@@ -314,6 +314,17 @@ def test_serve_limits_that_serve_nothing_are_refused():
         ("--max-prompt-tokens", "-3", "--max-prompt-tokens must be at least 1"),
         ("--timeout", "0", "--timeout must be more than 0 seconds"),
         ("--shutdown-grace", "-1", "--shutdown-grace must be 0 seconds or more"),
+        # infinite or NaN: was accepted, then OverflowError / ValueError in serve() after the model loaded
+        (
+            "--shutdown-grace",
+            "inf",
+            r"--shutdown-grace must be 0 seconds or more \(a finite number\), got inf",
+        ),
+        (
+            "--shutdown-grace",
+            "nan",
+            r"--shutdown-grace must be 0 seconds or more \(a finite number\), got nan",
+        ),
     ):
         with pytest.raises(ValueError, match=said):
             config_from_args(ServeConfig, _args(["serve", "--store", "s", flag, value]))

@@ -531,6 +531,9 @@ def test_end_of_sequence_finishes_with_stop(tmp_path):
     assert info["finish_reason"] == "stop" and info["completion_tokens"] == greedy.index(eos) + 1
     info, _ = _run_in_process(model, tok, tmp_path / "b", ServeLimits(), greedy.index(eos))
     assert info["finish_reason"] == "length"
+    # the end-of-sequence as the last allowed token is still the model's stop (was "length")
+    info, _ = _run_in_process(model, tok, tmp_path / "c", ServeLimits(), greedy.index(eos) + 1)
+    assert info["finish_reason"] == "stop" and info["completion_tokens"] == greedy.index(eos) + 1
 
 
 def test_chat_template_refusal_is_a_400(tmp_path):
@@ -574,3 +577,194 @@ def test_chat_template_refusal_is_a_400(tmp_path):
         assert spec["prompt_ids"] == [2]
     finally:
         service.worker.stop()
+
+
+async def _asgi_call(app, method: str, path: str, body=None, headers=None) -> tuple[int, object]:
+    """One request to ``app`` in-process through its ASGI interface (no socket): ``(status, parsed JSON
+    or text)``; dict bodies are sent as JSON."""
+    import asyncio
+
+    headers = dict(headers or {})
+    if isinstance(body, dict):
+        body = json.dumps(body)
+        headers.setdefault("content-type", "application/json")
+    data = body.encode() if isinstance(body, str) else body or b""
+    sent, finished, out = False, asyncio.Event(), {"status": None, "body": b""}
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await finished.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg["type"] == "http.response.body":
+            out["body"] += msg.get("body", b"")
+            if not msg.get("more_body"):
+                finished.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        + [(b"content-length", str(len(data)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 120)
+    text = out["body"].decode("utf-8", "replace")
+    with contextlib.suppress(json.JSONDecodeError):
+        return out["status"], json.loads(text)
+    return out["status"], text
+
+
+def _asgi(app, method: str, path: str, body=None, headers=None) -> tuple[int, object]:
+    """:func:`_asgi_call` on a loop of its own (the request's jobs must be done when it returns)."""
+    import asyncio
+
+    return asyncio.run(_asgi_call(app, method, path, body, headers))
+
+
+@pytest.fixture
+def app_service(tmp_path):
+    """``(app, service)`` over the tiny model, in-process; factory of further ones with other limits."""
+    from cepe.server import CepeService, ServeLimits, create_app
+    from cepe.store import ContextStore
+    from cepe.tiny import tiny_model
+
+    services = []
+
+    def make(limits=None, model_and_tok=None):
+        model, tok = model_and_tok or tiny_model()
+        root = tmp_path / f"s{len(services)}"
+        service = CepeService(model, tok, ContextStore(root, model, tok), limits or ServeLimits(), "tiny")
+        services.append(service)
+        return create_app(service), service
+
+    yield make
+    for service in services:
+        service.worker.stop()
+
+
+def test_upload_name_that_is_not_unicode_is_a_400_before_encoding(app_service):
+    """A lone surrogate in ``"name"`` passed, was encoded, then failed in ``save_file``: a 500."""
+    app, service = app_service()
+    status, body = _asgi(app, "POST", "/v1/contexts", {"text": "hello there", "name": "\ud800"})
+    assert status == 400 and '"name" is not valid Unicode' in body["error"]["message"], body
+    assert service.worker.state()["served"] == 0 and service.store.ids() == []  # the model never ran
+    status, body = _asgi(app, "POST", "/v1/contexts", {"text": "hello there", "name": "ok"})
+    assert status == 201 and body["name"] == "ok"
+
+
+def test_a_queued_request_is_answered_at_its_time_limit(app_service):
+    """The time limit counts the wait in the queue, but was only looked at when the worker took the job:
+    behind a long job (an upload's encode, a long prefill) a queued request waited for it whatever its
+    limit. Now it is answered 503 at its deadline while the worker is still busy, and never runs."""
+    import asyncio
+
+    from cepe.server import Job, ServeLimits
+
+    app, service = app_service(ServeLimits(request_timeout_s=0.3))
+    release, finished = threading.Event(), threading.Event()
+
+    def busy(job: Job) -> None:
+        release.wait(60)
+        finished.set()
+
+    async def go():
+        service.worker.submit(Job(asyncio.get_running_loop(), busy, time.monotonic() + 120))
+        status, body = await _asgi_call(app, "POST", "/v1/chat/completions", chat(max_tokens=2))
+        answered_while_busy = not finished.is_set()
+        upload = await _asgi_call(app, "POST", "/v1/contexts", "A document.", {"content-type": "text/plain"})
+        answered_while_busy &= not finished.is_set()
+        release.set()
+        deadline = time.monotonic() + 60
+        while service.worker.state()["served"] < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the worker resolves the jobs on this loop: it must run
+        return answered_while_busy, status, body, upload
+
+    try:
+        answered_while_busy, status, body, upload = asyncio.run(go())
+    finally:
+        release.set()
+    assert answered_while_busy and status == 503, body
+    assert body["error"]["message"] == "gave up waiting for the model (timeout)"
+    assert upload[0] == 503 and "(timeout)" in upload[1]["error"]["message"]
+    assert service.worker.state()["stopped"] == {"timeout": 2} and service.store.ids() == []
+
+
+def test_tiny_temperature_and_null_defaults(app_service):
+    """A tiny positive temperature overflowed the logits (inf / NaN): a 500 from ``torch.multinomial``;
+    now it decodes greedily, as 0 does. ``null`` for ``stream`` / ``top_p`` / ``n`` (nullable in OpenAI's
+    API) was a 400; now it is the default."""
+    app, _ = app_service()
+    status, greedy = _asgi(app, "POST", "/v1/chat/completions", chat(max_tokens=4, temperature=0.0))
+    assert status == 200, greedy
+    status, body = _asgi(app, "POST", "/v1/chat/completions", chat(max_tokens=4, temperature=1e-300))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+    status, body = _asgi(
+        app, "POST", "/v1/chat/completions", chat(max_tokens=4, stream=None, top_p=None, n=None)
+    )
+    assert status == 200 and body["object"] == "chat.completion", body
+    assert body["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+    status, body = _asgi(
+        app,
+        "POST",
+        "/v1/completions",
+        {"prompt": "Paris is", "max_tokens": 2, "top_p": None, "temperature": 1.0},
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    status, body = _asgi(app, "POST", "/v1/chat/completions", chat(n=2))
+    assert status == 400 and "n" in body["error"]["message"]  # still only one choice
+
+
+def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(app_service):
+    """The chat template and the tokenizer ran on the event loop: a prompt of a few MiB (or a tokenizer
+    busy on the model thread) froze every client for seconds. Now they run in a thread: ``/health``
+    answers while a prompt is still being tokenized."""
+    import asyncio
+
+    from cepe.tiny import ByteTokenizer, tiny_model
+
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowTokenizer(ByteTokenizer):
+        def __call__(self, texts, add_special_tokens=False):
+            if texts == "a slow prompt":
+                entered.set()
+                release.wait(30)
+                left.set()
+            return super().__call__(texts, add_special_tokens=add_special_tokens)
+
+    model, _ = tiny_model()
+    app, _ = app_service(model_and_tok=(model, SlowTokenizer()))
+
+    async def go():
+        body = {"prompt": "a slow prompt", "max_tokens": 2}
+        slow = asyncio.create_task(_asgi_call(app, "POST", "/v1/completions", body))
+        deadline = time.monotonic() + 60
+        while not entered.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        health = await _asgi_call(app, "GET", "/health")
+        answered_meanwhile = entered.is_set() and not left.is_set()
+        release.set()
+        return answered_meanwhile, health, await slow
+
+    try:
+        answered_meanwhile, health, (status, body) = asyncio.run(go())
+    finally:
+        release.set()
+    assert answered_meanwhile and health[0] == 200
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body

@@ -409,3 +409,84 @@ def test_a_store_whose_creation_was_stopped_opens_as_new(tiny, tmp_path):
     (other / "contexts" / "x.txt").write_text("not ours")
     with pytest.raises(StoreError, match="not a context store"):
         ContextStore(other, model, tok)
+
+
+def test_a_fresh_encoder_is_the_same_in_every_process(tmp_path, monkeypatch):
+    """``--model <decoder>`` (the default ``default``) wraps a plain decoder with a fresh encoder. It was
+    drawn from the global torch RNG, which differs per process, so a store written by ``cepe context add``
+    was refused by the next ``cepe ask`` as written by another adapter. Now it is seeded: two loads under
+    different global seeds give the same adapter, read each other's store, and leave the RNG alone."""
+    import cepe.assets
+    from cepe.generation import load_model
+    from cepe.store import adapter_fingerprint
+    from cepe.tiny import ByteTokenizer, tiny_decoder
+
+    monkeypatch.setattr(cepe.assets, "load_tokenizer", lambda name="default": ByteTokenizer())
+    tiny_decoder(seed=3).save_pretrained(tmp_path / "dec")
+    torch.manual_seed(1)
+    first, tok, fresh = load_model(str(tmp_path / "dec"))
+    assert fresh
+    cid, _ = ContextStore(tmp_path / "s", first, tok).add_text(TEXT)
+    torch.manual_seed(2)
+    state = torch.get_rng_state()
+    second, tok, _ = load_model(str(tmp_path / "dec"))
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG neither read nor advanced
+    assert adapter_fingerprint(second) == adapter_fingerprint(first)
+    assert torch.equal(
+        ContextStore(tmp_path / "s", second, tok).load(cid).states,
+        ContextStore(tmp_path / "s", first, tok).load(cid).states,
+    )
+
+
+def test_a_name_that_is_not_unicode_is_refused_before_encoding(tiny, tmp_path, monkeypatch, capsys):
+    """A lone surrogate in a name (JSON ``"\\ud800"``, or a file name with undecodable bytes) failed in
+    ``save_file`` (UnicodeEncodeError) after the whole document was encoded; now a StoreError first, and
+    ``cepe context add`` says which file, exit 2, nothing added."""
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok)
+    monkeypatch.setattr(model, "encode_context", lambda *a, **k: pytest.fail("encoded a doomed context"))
+    with pytest.raises(StoreError, match=r"context name '\\ud800' is not valid Unicode"):
+        store.add_text(TEXT, name="\ud800")
+    with pytest.raises(StoreError, match="not valid Unicode"):
+        store.add_token_ids([1, 2, 3], name="x\udcff")
+    monkeypatch.undo()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(TEXT)
+    try:
+        with open(os.fsencode(docs) + b"/b\xff.txt", "wb") as f:
+            f.write(b"Another document entirely.")
+    except OSError:  # a file system that refuses non-UTF-8 names cannot hold such a file
+        return
+    capsys.readouterr()
+    assert cli_main(["context", "add", str(docs), "--store", str(tmp_path / "c"), "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "b\\xff.txt: the file name is not UTF-8" in err and "rename the file" in err
+    assert not (tmp_path / "c" / "contexts").exists() or not any((tmp_path / "c" / "contexts").iterdir())
+
+
+def test_a_context_replaced_while_loaded_is_read_from_one_file(tiny, tmp_path, monkeypatch):
+    """``load`` took the stamp and the header from the file then mapped the data by name again: a file
+    removed and written again meanwhile (the same text under another name: the same id, another header
+    length) gave the old header's offsets over the new bytes, and the verified stamp skipped the hash
+    check: silently wrong Φ. Now stamp, header and data come from one open file."""
+    model, tok = tiny
+    store = ContextStore(tmp_path / "s", model, tok, dtype="fp32")
+    cid, _ = store.add_text(TEXT, name="a")
+    ref = store.load(cid).states.clone()  # verified: its stamp is cached
+    real = np.memmap
+    replaced = []
+    other = ContextStore(tmp_path / "s", model, tok)  # another process's `cepe context rm` then `add`
+
+    def replace_then_map(*args, **kwargs):
+        if not replaced:
+            replaced.append(True)
+            other.remove(cid)
+            assert other.add_text(TEXT, name="a much longer name than before.txt") == (cid, True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", replace_then_map)
+    doc = store.load(cid)
+    assert replaced and torch.equal(doc.states, ref) and doc.meta["name"] == "a"  # the file it opened
+    monkeypatch.undo()
+    assert store.load(cid).meta["name"].startswith("a much longer")  # the next load: the new file
