@@ -31,6 +31,7 @@ request can name a path on disk.
 # No `from __future__ import annotations`: FastAPI reads the request models from the annotations of
 # handlers defined inside create_app, which must therefore be real objects, not strings.
 import asyncio
+import copy
 import hmac
 import json
 import os
@@ -313,6 +314,9 @@ class CepeService:
     """The model, tokenizer, store, worker and limits behind the HTTP app."""
 
     def __init__(self, model, tokenizer, store: ContextStore, limits: ServeLimits, model_name: str) -> None:
+        # the event loop's own copy, for the answers' text alone (it runs on the loop's one thread): a
+        # decode never waits for the shared tokenizer's lock while the model thread tokenizes an upload
+        self.detokenizer = copy.deepcopy(tokenizer)
         tokenizer = LockedTokenizer(tokenizer)
         store.tokenizer = tokenizer
         self.model, self.tokenizer, self.store, self.limits = model, tokenizer, store, limits
@@ -740,7 +744,7 @@ async def _complete(service: CepeService, req: Any, spec: dict[str, Any], chat: 
 
 
 async def _whole_answer(service: CepeService, job: Job, reply: _Reply, request: Any = None) -> dict[str, Any]:
-    delta = TextDelta(service.tokenizer)
+    delta = TextDelta(service.detokenizer)
     info = await _until(job.done, job, request)
     text = ""
     while not job.events.empty():
@@ -753,7 +757,7 @@ async def _whole_answer(service: CepeService, job: Job, reply: _Reply, request: 
 
 async def _events(service: CepeService, job: Job, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
     """The server-sent events of a streamed answer; a client that leaves stops the generation."""
-    delta = TextDelta(service.tokenizer)
+    delta = TextDelta(service.detokenizer)
     ended = False
     try:
         if reply.chat:

@@ -768,3 +768,41 @@ def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(app_service):
         release.set()
     assert answered_meanwhile and health[0] == 200
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+
+def test_answers_are_decoded_without_the_model_threads_tokenizer_lock(tmp_path):
+    """The event loop decodes the answers' text with its own copy of the tokenizer: a decode finishes while
+    another thread holds the shared tokenizer's lock (the model thread tokenizing a large upload)."""
+    import threading
+
+    from cepe.server import CepeService, ServeLimits, TextDelta
+    from cepe.store import ContextStore
+    from cepe.tiny import tiny_model
+
+    model, tok = tiny_model()
+    service = CepeService(model, tok, ContextStore(tmp_path / "s", model, tok), ServeLimits(), "tiny")
+    try:
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the model thread, busy in the shared tokenizer
+            with service.tokenizer._lock:
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(10)
+        out: list[str] = []
+        decoder = threading.Thread(
+            target=lambda: out.append(TextDelta(service.detokenizer).push(tok.encode("hi")))
+        )
+        decoder.start()
+        decoder.join(10)
+        finished = not decoder.is_alive()
+        release.set()
+        holder.join()
+        decoder.join()
+        assert finished and out == ["hi"]
+        assert service.detokenizer is not tok and not isinstance(service.detokenizer, type(service.tokenizer))
+    finally:
+        service.worker.stop()
