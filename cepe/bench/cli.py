@@ -31,7 +31,8 @@ def _cmd(args: argparse.Namespace) -> int:
     result = run_benchmark(cfg, args.out, in_process=args.in_process)
     print()
     print(format_report(result))
-    print(f"\nwrote {Path(args.out) / 'bench.json'} and {Path(args.out) / 'bench.png'}")
+    written = [str(f) for f in (Path(args.out) / "bench.json", Path(args.out) / "bench.png") if f.exists()]
+    print(f"\nwrote {' and '.join(written)}")  # the plot is left out when it could not be drawn
     return 0
 
 

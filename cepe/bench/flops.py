@@ -152,10 +152,14 @@ class CostModel:
         return flops
 
     def streaming_prefill(self, total: int) -> int:
+        """Reading ``total`` tokens ``window`` at a time, scoring the last one: every call keeps one logit
+        row, and the last keeps two when it reads two tokens or more (scoring the last token needs the
+        prediction at the position before it)."""
         flops, cache, done = 0, 0, 0
         while done < total:
             step = min(self.window, total - done)
-            flops += decoder_flops(self.dec, cache, step, logits=1)
+            rows = 2 if done + step == total and step >= 2 else 1
+            flops += decoder_flops(self.dec, cache, step, logits=rows)
             cache = min(cache + step, self.window)  # sinks + recent tokens
             done += step
         return flops

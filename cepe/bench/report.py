@@ -33,7 +33,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     targets: list[dict[str, Any]] = []  # in order: prefill (by length), memory, decode
     lengths = sorted({r["tokens"] for r in result["rows"] if r["kind"] == "prefill"})
     prefill = [_prefill_entry(idx, t, result["predicted_flops"].get(str(t), {}), targets) for t in lengths]
-    memory = _memory_summary(idx, result["cost_model"], targets)
+    memory = _memory_summary(idx, result["cost_model"], targets, int(result["config"]["window"]))
     decode = _decode_summary(idx, targets)
     return {"prefill": prefill, "memory": memory, "decode": decode, "targets": targets}
 
@@ -86,12 +86,15 @@ def _prefill_entry(
 
 
 def _memory_summary(
-    idx: dict[tuple, dict[str, Any]], cost_model: dict[str, Any], targets: list[dict[str, Any]]
+    idx: dict[tuple, dict[str, Any]], cost_model: dict[str, Any], targets: list[dict[str, Any]], window: int
 ) -> dict[str, Any]:
-    """Memory CEPE keeps per extra context token: the slope between its two longest prefill rows, as a
-    fraction of full context's K/V per token; appends the two memory-slope targets."""
+    """Memory CEPE keeps per extra context token: the slope between its two longest prefill rows of at
+    least ``window`` tokens (a shorter row's tokens all sit in the decoder's K/V cache, so a slope from it
+    is not the context's), as a fraction of full context's K/V per token; appends the two memory-slope
+    targets."""
     cepe_rows = sorted(
-        (r for k, r in idx.items() if k[0] == "prefill" and k[1] == "cepe"), key=lambda r: r["tokens"]
+        (r for k, r in idx.items() if k[0] == "prefill" and k[1] == "cepe" and r["tokens"] >= window),
+        key=lambda r: r["tokens"],
     )
     memory: dict[str, Any] = {
         "full_kv_bytes_per_token": cost_model["full_kv_bytes_per_token"],

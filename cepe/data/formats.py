@@ -104,7 +104,7 @@ def read_jsonl(
         raise ValueError(f"JSONL file {p} does not exist")
     stem = p.name.split(".")[0]
     prefix = stem if id_prefix is None else id_prefix
-    opener = gzip.open if p.suffix == ".gz" else open
+    opener = gzip.open if p.suffix.lower() == ".gz" else open  # read_path dispatches case-blind
     with opener(p, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():

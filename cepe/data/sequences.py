@@ -68,6 +68,11 @@ class SequenceMixture(Dataset):
         self.corpus = corpus if isinstance(corpus, TokenizedCorpus) else TokenizedCorpus(corpus)
         if seq_length <= 0:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
+        if num_examples is not None and num_examples < 0:
+            raise ValueError(
+                f"num_examples (the dataset's len) must be 0 or more, got {num_examples}; "
+                "give None for one pass over the split"
+            )
         if len(ratio) != 2 or any(int(r) != r or r < 0 for r in ratio) or sum(ratio) == 0:
             raise ValueError(
                 f"ratio must be two non-negative integers (filter, cat), not both zero; got {ratio!r}"
