@@ -170,8 +170,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from .modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
     out = export_adapter(config_from_args(ExportConfig, args, "export config"))
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    size = sum((out / name).stat().st_size for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG))  # not other files
     print(f"wrote {out} ({size / 2**20:.1f} MiB)")
     return 0
 

@@ -111,9 +111,11 @@ def parse_value(text: str) -> Any:
         ) from None
 
 
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """``set_dotted(d, "a.b", 1)`` sets ``d["a"]["b"] = 1`` (creating mappings on the way)."""
-    parts = key.strip().split(".")
+def set_dotted(data: dict[str, Any], key: str | tuple[str, ...], value: Any) -> None:
+    """``set_dotted(d, "a.b", 1)`` sets ``d["a"]["b"] = 1`` (creating mappings on the way); a tuple key is
+    the path itself, so ``("a", "b.c")`` sets ``d["a"]["b.c"]`` (a mapping's key that holds a dot)."""
+    parts = key.strip().split(".") if isinstance(key, str) else [str(p) for p in key]
+    key = ".".join(parts)
     node = data
     for p in parts[:-1]:
         node = node.setdefault(p, {})
@@ -123,10 +125,13 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def apply_overrides(
-    data: dict[str, Any], overrides: Iterable[str | tuple[str, Any]], where: str = "override"
+    data: dict[str, Any],
+    overrides: Iterable[str | tuple[str | tuple[str, ...], Any]],
+    where: str = "override",
 ) -> dict[str, Any]:
     """A copy of ``data`` with ``key.sub=value`` strings (values parsed as YAML) or ``(key, value)`` pairs
-    (already typed, e.g. from a generated flag: :func:`flag_overrides`) applied in order."""
+    (already typed, e.g. from a generated flag: :func:`flag_overrides`; ``key`` dotted or a tuple path, as
+    for :func:`set_dotted`) applied in order."""
     out = copy.deepcopy(data)
     for item in overrides:
         if isinstance(item, tuple):
@@ -476,16 +481,17 @@ def add_const_flag(parser: Any, name: str, key: str, value: Any, help: str | Non
     )
 
 
-def flag_overrides(args: Any) -> list[tuple[str, Any]]:
+def flag_overrides(args: Any) -> list[tuple[str | tuple[str, ...], Any]]:
     """The generated flags given on the command line, as ``(dotted key, value)`` overrides for
-    :func:`apply_overrides` (a ``dict`` flag's ``KEY=VALUE`` items become ``field.KEY`` overrides)."""
-    out: list[tuple[str, Any]] = []
+    :func:`apply_overrides` (a ``dict`` flag's ``KEY=VALUE`` items become overrides of the path
+    ``(*field, KEY)``, so that a KEY with a dot in it, ``mix_head.bias``, stays one key of the mapping)."""
+    out: list[tuple[Any, Any]] = []
     for dest, value in vars(args).items():
         if not dest.startswith(FLAG_PREFIX):
             continue
         key = dest[len(FLAG_PREFIX) :]
         if isinstance(value, list) and value and all(isinstance(v, tuple) for v in value):
-            out.extend((f"{key}.{k}", v) for k, v in value)
+            out.extend(((*key.split("."), k), v) for k, v in value)
         else:
             out.append((key, value))
     return out

@@ -2,9 +2,9 @@
 
 A file is written to a temporary name in the same directory (or in ``tmp_dir``, which must be on the same
 file system), flushed (and ``fsync``-ed when asked), given the permissions a plain ``open(path, "w")``
-would give it (``0o666`` minus the umask, unless ``mode`` says otherwise) and renamed over the target with
-``os.replace``: a reader sees the old file or the new one, never a half-written one; on an error the
-temporary file is removed. Stdlib only.
+would give it (an existing file's own, else ``0o666`` minus the umask, unless ``mode`` says otherwise) and
+renamed over the target with ``os.replace``: a reader sees the old file or the new one, never a
+half-written one; on an error the temporary file is removed. Stdlib only.
 
 Directory swaps (checkpoints, prepared corpora, downloads) follow the same idea with ``tempfile.mkdtemp``
 next to the target; they stay with their writers because each one also decides what to do with the old
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +48,8 @@ def atomic_path(
         prefix: temporary name prefix (default ``.<name>.``); a leading dot keeps it out of listings.
         suffix: temporary name suffix (e.g. ``.safetensors`` for writers that look at it).
         fsync: ``fsync`` the file before the rename (durable across a power loss, slower).
-        mode: file permissions (default ``0o666`` minus the umask, as ``open`` would create it).
+        mode: file permissions (default: as ``open`` would leave them: those of the file it replaces, or
+            ``0o666`` minus the umask for a new file).
     """
     path = Path(path)
     where = Path(tmp_dir) if tmp_dir is not None else path.parent
@@ -61,7 +63,12 @@ def atomic_path(
         if fsync:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~umask())
+        if mode is None:
+            try:  # a file made private (0600) stays private when it is written again
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+            except FileNotFoundError:
+                mode = 0o666 & ~umask()
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -78,14 +78,17 @@ class Meter:
 class _Region:
     def __init__(self, meter: Meter, num_tokens: int):
         self.meter, self.num_tokens = meter, num_tokens
-        self.cuda = torch.device(meter.device).type == "cuda" and torch.cuda.is_available()
+        device = torch.device(meter.device)
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        # the meter's own device (``cuda:1``), not the current one; plain ``cuda`` is the current one
+        self.args = (device,) if device.index is not None else ()
 
     def __enter__(self) -> _Region:
         if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize(*self.args)
+            torch.cuda.reset_peak_memory_stats(*self.args)
             self.meter.memory_source = "torch.cuda.max_memory_allocated"
-            self.allocated0 = torch.cuda.memory_allocated()  # what was resident before (the weights)
+            self.allocated0 = torch.cuda.memory_allocated(*self.args)  # resident before: the weights
         else:
             reset = reset_peak_rss()
             self.meter.memory_source = "VmHWM (reset per region)" if reset else "VmHWM (process lifetime)"
@@ -95,8 +98,8 @@ class _Region:
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.synchronize(*self.args)
+            peak = torch.cuda.max_memory_allocated(*self.args)
             delta = max(0, peak - self.allocated0)  # as on the CPU: above what was resident at the start
         else:
             peak = proc_status_bytes("VmHWM") or 0

@@ -72,6 +72,7 @@ def cepe_config_from_official(raw: dict, decoder_name_or_path: str | None = None
     """Translate a released ``config.json`` into a :class:`CepeConfig`."""
     if "encoder_config" not in raw:
         raise ValueError("not a released CEPE config: it has no 'encoder_config'")
+    _check_supported(raw)
     enc = raw["encoder_config"]
     heads = int(enc["num_attention_heads"])
     encoder = EncoderConfig(
@@ -98,6 +99,28 @@ def cepe_config_from_official(raw: dict, decoder_name_or_path: str | None = None
         init_mode="copy",
         extra={k: raw[k] for k in ("kl_loss_cof", "kl_loss_mode", "lm_loss_cof") if k in raw},
     )
+
+
+def _check_supported(raw: dict) -> None:
+    """Refuse released-config options that change the computation in ways this model does not implement
+    (the weights would load and silently compute something else)."""
+    hidden_states = raw.get("num_cross_attn_hidden_states", 1)
+    if hidden_states not in (None, 1):
+        raise ValueError(
+            f"num_cross_attn_hidden_states {hidden_states!r}: cross-attention here reads only the encoder's last "
+            "hidden state (num_cross_attn_hidden_states 1), so this checkpoint cannot be loaded"
+        )
+    mode = raw.get("encode_mode", "context_only")
+    if mode not in (None, "context_only"):
+        raise ValueError(
+            f"encode_mode {mode!r}: the encoder here reads the context alone (encode_mode 'context_only'), "
+            "so this checkpoint cannot be loaded"
+        )
+    if raw.get("encoder_is_model"):
+        raise ValueError(
+            "encoder_is_model is true: this checkpoint encodes the context with the decoder itself, which is "
+            "not supported; only checkpoints with a separate encoder (encoder.* weights) load"
+        )
 
 
 def read_official(
@@ -129,6 +152,16 @@ def read_official(
         dec_cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in CEPE_CONFIG_KEYS})
         decoder = LlamaForCausalLM(dec_cfg).to(dtype or torch.float32).eval()
         dec_state = {k: v for k, v in state.items() if not is_adapter_key(k)}
+        expected = decoder.state_dict()
+        shapes = [
+            f"{k}: checkpoint {tuple(v.shape)} vs config {tuple(expected[k].shape)}"
+            for k, v in dec_state.items()
+            if k in expected and tuple(v.shape) != tuple(expected[k].shape)
+        ]
+        if shapes:  # (load_state_dict would raise a RuntimeError)
+            raise ValueError(
+                f"released checkpoint {path}: decoder weights do not fit its config.json: {'; '.join(shapes[:8])}"
+            )
         result = decoder.load_state_dict(dec_state, strict=False)
         missing = [
             k for k in result.missing_keys if not (k == "lm_head.weight" and dec_cfg.tie_word_embeddings)

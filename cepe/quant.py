@@ -50,7 +50,7 @@ def quantize_int8_groupwise(
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         w = w.detach().float()
-        if w.dim() != 2 or w.shape[1] % group:
+        if w.dim() != 2 or w.shape[1] < MIN_COLUMNS or w.shape[1] % group:
             out.update(quantize_int8_rowwise({name: w}))
             continue
         r, c = w.shape

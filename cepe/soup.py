@@ -8,7 +8,7 @@ their ``cepe_config.json`` (the same decoder, encoder, layers and options), or t
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from pathlib import Path
 
@@ -19,10 +19,12 @@ from .modeling import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter_file, write_
 
 
 def _config(path: Path) -> dict:
+    """The adapter's config as loaded (fields its file omits at their defaults), so that adapters saved
+    before a field existed compare equal to those that write it."""
     file = path / ADAPTER_CONFIG
     if not file.is_file() or not (path / ADAPTER_WEIGHTS).is_file():
         raise ValueError(f"{path} is not a cepe adapter directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})")
-    return json.loads(file.read_text())
+    return CepeConfig.load(file).to_dict()
 
 
 def average_adapters(
@@ -43,9 +45,9 @@ def average_adapters(
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least two adapters, got {len(paths)}")
     w = [1.0] * len(paths) if weights is None else [float(x) for x in weights]
-    if len(w) != len(paths) or any(not x >= 0 for x in w) or sum(w) <= 0:
+    if len(w) != len(paths) or any(not 0 <= x < math.inf for x in w) or not 0 < sum(w) < math.inf:
         raise ValueError(
-            f"give one non-negative weight per adapter ({len(paths)}), not all zero; got {weights}"
+            f"give one non-negative weight per adapter ({len(paths)}), finite and not all zero; got {weights}"
         )
     w = [x / sum(w) for x in w]
     configs = [_config(p) for p in paths]

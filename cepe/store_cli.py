@@ -132,9 +132,14 @@ def run_server(cfg: ServeConfig, api_key: str | None = None) -> None:
     """``cepe serve``: load ``cfg.model``, open the store and run :func:`cepe.server.serve` until SIGTERM.
 
     Raises:
-        ValueError: the serve extra is not installed, or a non-loopback ``host`` without ``api_key`` and
-            without ``allow_no_auth`` (checked before the model loads).
+        ValueError: the serve extra is not installed, a negative ``threads``, a ``port`` outside 0..65535,
+            or a non-loopback ``host`` without ``api_key`` and without ``allow_no_auth`` (checked before the
+            model loads).
     """
+    if cfg.threads < 0:
+        raise ValueError(f"--threads must be 0 (torch's default) or more, got {cfg.threads}")
+    if not 0 <= cfg.port <= 65535:
+        raise ValueError(f"--port must be a TCP port in 0..65535, got {cfg.port}")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

@@ -306,3 +306,51 @@ def test_export_keeps_the_weight_storage_it_read(tmp_path, mode):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     model.save_pretrained(tmp_path / "f")
     assert stored_quantization(tmp_path / "f") is None
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("num_cross_attn_hidden_states", 2, "num_cross_attn_hidden_states 2"),
+        ("encode_mode", "with_query-64", "encode_mode 'with_query-64'"),
+        ("encoder_is_model", True, "encoder_is_model is true"),
+    ],
+)
+def test_official_layout_refuses_what_it_would_compute_otherwise(tmp_path, key, value, message):
+    """A released config whose cross-attention reads several encoder layers, whose encoder also reads the
+    query, or whose encoder is the decoder: the weights have the same names and shapes, so before they
+    loaded and the model silently computed something else (or failed on missing encoder keys)."""
+    path, _, _ = _write_official(tmp_path, "safetensors")
+    raw = json.loads((path / "config.json").read_text())
+    raw[key] = value
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        CepeForCausalLM.from_pretrained(path)
+
+
+def test_group_quantization_keeps_narrow_tensors_fp32_for_any_group():
+    """``quantize_int8_groupwise`` with a group narrower than :data:`MIN_COLUMNS` stored a ``(H, 4)``
+    standardisation as int8 (one scale per group of 4 columns of unlike size), against its docstring; a
+    ``(R, 0)`` tensor was stored in a form that could not be loaded back."""
+    from cepe.quant import MIN_COLUMNS, dequantize_int8, quantize_int8_groupwise
+
+    norm = torch.tensor([[5.0, 1.0, 0.3, 0.015]]).repeat(3, 1)
+    q = quantize_int8_groupwise({"norm": norm, "empty": torch.zeros(2, 0)}, group=4)
+    assert set(q) == {"norm", "empty"} and q["norm"].dtype == torch.float32
+    back = dequantize_int8(q)
+    assert torch.equal(back["norm"], norm) and back["empty"].shape == (2, 0)
+    wide = torch.randn(3, 2 * MIN_COLUMNS)
+    assert quantize_int8_groupwise({"w": wide}, group=4)["w"].dtype == torch.int8  # still quantized
+
+
+def test_official_layout_refuses_decoder_weights_that_do_not_fit_the_config(tmp_path):
+    """A decoder weight whose shape disagrees with ``config.json`` ended in torch's RuntimeError from
+    ``load_state_dict``, though ``read_official`` documents a ValueError naming the mis-shaped keys (the
+    command line turns only that into a clear error)."""
+    path, state, _ = _write_official(tmp_path, "safetensors")
+    state["model.norm.weight"] = torch.ones(7)
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"do not fit its config\.json: model\.norm\.weight: checkpoint \(7,\)"
+    ):
+        CepeForCausalLM.from_pretrained(path)

@@ -292,3 +292,25 @@ def test_sections_choices_and_list_items_are_checked_by_the_loader(tmp_path):
     from cepe.cli import main
 
     assert main(["serve", "--config", str(conf)]) == 2  # was an AttributeError traceback after loading
+
+
+def test_dict_flag_keys_with_a_dot_stay_one_key(tmp_path):
+    """A ``dict`` flag's KEY may hold a dot (``optim.lr_by_name`` names parameters, ``mix_head.bias``):
+    before, ``--limits mix_head.bias=5`` nested it (``{"mix_head": {"bias": 5}}``) or, next to a
+    ``mix_head`` key from the file, failed with "'mix_head' is not a section"."""
+    p = _parser()
+    conf = tmp_path / "c.yaml"
+    conf.write_text("limits: {mix_head: 1, mix_head.bias: 2}\n")
+    args = p.parse_args(["--config", str(conf), "--limits", "mix_head.bias=5", "--limits", "other=3"])
+    assert config_from_args(Demo, args).limits == {"mix_head": 1, "mix_head.bias": 5, "other": 3}
+    # the training command's own dict flag, on the keys the recipes use
+    from cepe.cli import build_parser
+    from cepe.training.config import load_config
+
+    args = build_parser().parse_args(
+        ["train", "--stage", "cepe", "--optim.lr-by-name", "mix_head.bias=0.1", "--optim.lr-by-name", "x=1"]
+    )
+    base = {"output_dir": str(tmp_path), "data": {"synthetic": "random"}}
+    base["optim"] = {"lr_by_name": {"mix_head": 2e-3, "mix_head.bias": 0.05}}
+    cfg = load_config(base, flag_overrides(args), stage="cepe")
+    assert cfg.optim.lr_by_name == {"mix_head": 2e-3, "mix_head.bias": 0.1, "x": 1}

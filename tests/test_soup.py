@@ -50,3 +50,35 @@ def test_average_refuses_what_cannot_be_averaged(tmp_path):
         average_adapters([tmp_path / "a", tmp_path / "a"], tmp_path / "x", weights=[1, -1])
     with pytest.raises(ValueError, match="not a cepe adapter directory"):
         average_adapters([tmp_path / "a", tmp_path / "nothing"], tmp_path / "x")
+
+
+def test_average_takes_a_config_saved_before_a_field_existed(tmp_path):
+    """An adapter whose ``cepe_config.json`` lacks a field added later (it loads with the default) is the
+    same config as one that writes the default: before, the raw files were compared and the pair refused
+    ("differ in ['run_bias']"), though both load to one config."""
+    import json
+
+    a, b = _adapter(tmp_path, "a", 1), _adapter(tmp_path, "b", 2)
+    file = tmp_path / "b" / "cepe_config.json"
+    raw = json.loads(file.read_text())
+    assert raw.pop("run_bias") is False and raw.pop("context_scale") == 1.0
+    file.write_text(json.dumps(raw))
+    out = average_adapters([tmp_path / "a", tmp_path / "b"], tmp_path / "avg")
+    avg = CepeForCausalLM.from_pretrained(out, decoder=tiny_decoder()).eval()
+    sa, sb, sm = a.adapter_state_dict(), b.adapter_state_dict(), avg.adapter_state_dict()
+    for k in sa:
+        torch.testing.assert_close(sm[k], 0.5 * sa[k] + 0.5 * sb[k])
+    _adapter(tmp_path, "c", 1, run_bias=True)  # a field that differs is still refused
+    with pytest.raises(ValueError, match=r"differ in \['run_bias'\]"):
+        average_adapters([tmp_path / "b", tmp_path / "c"], tmp_path / "x")
+
+
+@pytest.mark.parametrize("weights", [[float("inf"), 1.0], [1e308, 1e308]])
+def test_average_refuses_weights_that_are_not_finite(tmp_path, weights):
+    """An infinite weight (or weights whose sum overflows) normalised to NaN or zero shares: before, an
+    adapter of NaN (or zero) tensors was written without a word."""
+    _adapter(tmp_path, "a", 1)
+    _adapter(tmp_path, "b", 2)
+    with pytest.raises(ValueError, match="one non-negative weight per adapter.*finite"):
+        average_adapters([tmp_path / "a", tmp_path / "b"], tmp_path / "x", weights=weights)
+    assert not (tmp_path / "x").exists()
