@@ -32,8 +32,9 @@ class MainConfig:
     """The arguments of :func:`run_main`, which are the flags of ``cepe main``.
 
     Attributes:
-        adapter: a CEPE adapter directory (default: the shipped adapters/smollm2-135m-cepe; without it, an
-            untrained encoder, announced as such).
+        adapter: a CEPE adapter directory or a released checkpoint (default: the shipped
+            adapters/smollm2-135m-cepe; when that is missing, an untrained encoder, announced as such; a
+            given directory that holds neither is refused).
         out: output directory of ``main.json``, ``lm/`` and ``needle/``.
         quick: fewer lengths and sequences (a smoke run).
         config_dir: directory with ``lm.yaml`` and ``needle.yaml``, and optionally ``copy.yaml`` (the copy
@@ -70,16 +71,23 @@ def run_main(
     """
     import torch
 
-    from cepe.eval.api import load_setup, run_task
+    from cepe.eval.api import is_cepe_dir, load_setup, run_task
     from cepe.eval.report import write_report
     from cepe.generation import generate_from_context
 
     out = Path(out)
     config_dir = Path(config_dir) if config_dir else REPO / "configs" / "main"
+    given = bool(adapter)
     adapter = Path(adapter) if adapter else DEFAULT_ADAPTER
     # results name the adapter relative to the repository (no machine paths); loading uses the real path
     shown = adapter.relative_to(REPO) if adapter.is_absolute() and adapter.is_relative_to(REPO) else adapter
-    trained = (adapter / "adapter_model.safetensors").exists()
+    trained = adapter.is_dir() and is_cepe_dir(adapter)
+    if given and not trained:  # a mistyped path would otherwise measure an untrained encoder
+        raise ValueError(
+            f"--adapter {adapter}: no cepe adapter (cepe_config.json + adapter_model.safetensors) and no released "
+            "CEPE checkpoint (config.json with encoder_config) there; give such a directory, or leave --adapter "
+            "out for the shipped adapter"
+        )
     torch.manual_seed(0)
     from cepe.compute import autocast_dtype, describe
 

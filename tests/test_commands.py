@@ -196,7 +196,10 @@ def test_main_job_end_to_end_on_a_tiny_setup(tmp_path, monkeypatch, capsys):
     (conf / "copy.yaml").write_text(yaml.safe_dump({**copy, "chunk_length": 32, "passages_per_domain": 1}))
     fixed = {"contexts": [0, 64], "decoder_window": 96, "eval_tokens": 32, "chunk_length": 32, "sequences": 1}
     (conf / "fixedppl.yaml").write_text(yaml.safe_dump({"sources": copy["sources"], **fixed}))
-    res = job.run_main(adapter=tmp_path / "no-adapter", out=tmp_path / "out", config_dir=conf)
+    with pytest.raises(ValueError, match="no cepe adapter"):  # a given path must hold a model
+        job.run_main(adapter=tmp_path / "no-adapter", out=tmp_path / "out", config_dir=conf)
+    monkeypatch.setattr(job, "DEFAULT_ADAPTER", tmp_path / "no-adapter")  # a clone without the adapter
+    res = job.run_main(out=tmp_path / "out", config_dir=conf)
     printed = capsys.readouterr().out
     assert res["trained"] is False and "NOTE: no trained adapter" in printed
     assert job.lm_table(res["lm"]) in printed and job.needle_table(res["needle"]) in printed

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 
-def _is_cepe_dir(path: Path) -> bool:
+def is_cepe_dir(path: Path) -> bool:
+    """Whether ``path`` holds a cepe adapter (``cepe_config.json``) or a released checkpoint."""
     if (path / "cepe_config.json").exists():
         return True
     cfg = path / "config.json"
@@ -69,7 +70,7 @@ def load_setup(
         tok, decoder = ByteTokenizer(), tiny_decoder()
         if "cepe" in methods:
             cepe_model = tiny_cepe(decoder)
-    elif path.is_dir() and _is_cepe_dir(path):
+    elif path.is_dir() and is_cepe_dir(path):
         from cepe.assets import load_tokenizer
         from cepe.modeling import CepeForCausalLM
 
