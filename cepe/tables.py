@@ -27,7 +27,8 @@ def write_rows(out: str | os.PathLike[str], rows: list[dict[str, Any]], meta: di
     and ``OUT.md`` (one pipe table), each written atomically; OUT's folder is made if missing."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out.with_suffix(".json"), {"meta": meta, "rows": rows}, indent=1)
+    # OUT + suffix, not with_suffix: a name with a dot in it (``kernels_v1.5``) keeps its whole name
+    write_json(Path(f"{out}.json"), {"meta": meta, "rows": rows}, indent=1)
     write_text(
-        out.with_suffix(".md"), "\n".join(pipe_table(list(rows[0]), [list(r.values()) for r in rows])) + "\n"
+        Path(f"{out}.md"), "\n".join(pipe_table(list(rows[0]), [list(r.values()) for r in rows])) + "\n"
     )

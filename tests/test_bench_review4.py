@@ -119,3 +119,19 @@ def test_bench_command_does_not_claim_a_plot_it_did_not_write(tmp_path, monkeypa
     assert args.func(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"wrote {tmp_path / 'bench.json'}"
+
+
+@pytest.mark.parametrize("field, value", [("threads", -1), ("decode_tokens", -2)])
+def test_negative_threads_or_decode_tokens_are_refused_by_name(field, value):
+    """A negative thread count failed inside torch, not naming the field; negative decode tokens silently
+    dropped the decode settings."""
+    with pytest.raises(ValueError, match=field):
+        _tiny(**{field: value}).validate()
+
+
+def test_a_report_name_with_a_dot_keeps_its_whole_name(tmp_path):
+    """``write_rows`` writes ``OUT.json`` and ``OUT.md``: a name with a dot in it is not cut at the dot."""
+    from cepe.tables import write_rows
+
+    write_rows(tmp_path / "kernels_v1.5", [{"a": 1}], {"m": 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels_v1.5.json", "kernels_v1.5.md"]

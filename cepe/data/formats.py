@@ -20,8 +20,8 @@ from typing import Any
 from cepe.data.corpora import Document, read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".tex")
-_DATASET_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})  # no documents
 """File suffixes :func:`read_text` picks up when given a directory (override with ``suffixes``)."""
+_DATASET_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})  # no documents
 
 
 def _record_to_doc(
