@@ -115,7 +115,9 @@ class BenchConfig:
         if self.threads < 0:
             raise ValueError(f"threads must be 0 (torch's default) or more, got {self.threads}")
         if self.decode_tokens < 0:
-            raise ValueError(f"decode_tokens must be 0 (no decode settings) or more, got {self.decode_tokens}")
+            raise ValueError(
+                f"decode_tokens must be 0 (no decode settings) or more, got {self.decode_tokens}"
+            )
         if any(t <= 0 for t in self.lengths):
             raise ValueError(f"lengths must be positive, got {self.lengths}")
         if self.encoder_hidden % self.encoder_heads:
