@@ -135,3 +135,29 @@ def test_a_report_name_with_a_dot_keeps_its_whole_name(tmp_path):
 
     write_rows(tmp_path / "kernels_v1.5", [{"a": 1}], {"m": 0})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels_v1.5.json", "kernels_v1.5.md"]
+
+
+def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """The rows measured so far are written after each setting (``bench.partial.json``); a finished run
+    leaves only ``bench.json``. Before, a run killed at its last setting lost every row."""
+    import cepe.bench.api as api
+
+    cfg = _tiny(lengths=[96], decode_context=0)
+    real, calls = api._measure, []
+
+    def stop_at_third(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(api, "_measure", stop_at_third)
+    quiet = dict(in_process=True, peak_matmul_size=64, peak_seconds=0.01, log=lambda s: None)
+    with pytest.raises(KeyboardInterrupt):
+        api.run_benchmark(cfg, tmp_path, **quiet)
+    kept = json.loads((tmp_path / api.PARTIAL).read_text())
+    assert kept["complete"] is False and [r["method"] for r in kept["rows"]] == cfg.methods[:2]
+    assert not (tmp_path / "bench.json").exists()
+    monkeypatch.setattr(api, "_measure", real)
+    api.run_benchmark(cfg, tmp_path, **quiet)
+    assert (tmp_path / "bench.json").is_file() and not (tmp_path / api.PARTIAL).exists()

@@ -21,6 +21,11 @@ from .flops import CostModel
 from .report import plot, summarize, write_json
 from .runner import RESULT_TAG, build_model, cost_model, matmul_peak_flops, run_setting
 
+# the rows measured so far, rewritten after each setting and removed once bench.json is written: a run
+# stopped part-way (killed, out of memory) keeps what it measured; a new run starts over (its ratios must
+# come from one run), so the file is a record, not a resume point
+PARTIAL = "bench.partial.json"
+
 
 def _machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -52,7 +57,8 @@ def run_benchmark(
 
     Args:
         cfg: the run's configuration.
-        out_dir: where ``bench.json`` and ``bench.png`` go (None: write nothing).
+        out_dir: where ``bench.json`` and ``bench.png`` go (None: write nothing); while the run goes on,
+            ``bench.partial.json`` holds the rows measured so far.
         in_process: measure in this process with one model (fast, for tests and smoke runs; peak memory
             then includes heap left over by earlier settings and is flagged as such).
         peak_matmul_size: side of the square matmul that measures the machine's peak.
@@ -73,7 +79,16 @@ def run_benchmark(
     log(f"{machine_start}; {cfg.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
     model = build_model(cfg) if in_process else None
     cm = _cost_model(cfg, model)
-    rows = [_measure(cfg, setting, cm, model, peak, log) for setting in cfg.settings()]
+    out = Path(out_dir) if out_dir is not None else None
+    partial = out / PARTIAL if out is not None else None
+    rows: list[dict[str, Any]] = []
+    for setting in cfg.settings():
+        rows.append(_measure(cfg, setting, cm, model, peak, log))
+        if partial is not None:  # a run stopped part-way keeps the rows it measured (not a resume point)
+            out.mkdir(parents=True, exist_ok=True)
+            write_json(
+                {"config": cfg.to_dict(), "machine": machine_start, "rows": rows, "complete": False}, partial
+            )
     predicted = {str(t): {m: cm.prefill(m, t) for m in PREFILL_METHODS} for t in sorted({*cfg.lengths})}
     result: dict[str, Any] = {
         "config": cfg.to_dict(),
@@ -88,8 +103,7 @@ def run_benchmark(
         if "flops_per_s" in r:
             r["fraction_of_peak"] = r["flops_per_s"] / peak
     result["summary"] = summarize(result)
-    if out_dir is not None:
-        out = Path(out_dir)
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         try:
             plot(result, out / "bench.png")
@@ -97,6 +111,7 @@ def run_benchmark(
             (out / "bench.png").unlink(missing_ok=True)  # not an earlier run's plot beside these numbers
             log(f"bench.png not written: {type(err).__name__}: {err}")
         write_json(result, out / "bench.json")  # last: the run's record, whatever became of its plot
+        (out / PARTIAL).unlink(missing_ok=True)
     return result
 
 
