@@ -63,7 +63,7 @@ def test_teacher_reads_the_unmasked_context_where_told(tmp_path):
             if labels[i, t + 1] == -100:
                 assert not probs[i, t].any()
                 continue
-            row = t if t < a else t + ctx.numel()
+            row = t if t + 1 < a else t + ctx.numel()  # token t+1 after the context: read after it
             p, j = teacher_topk(logits[row], 16)
             torch.testing.assert_close(probs[i, t], p)
             assert torch.equal(idx[i, t], j.long())

@@ -87,9 +87,11 @@ class OptimConfig:
     Attributes:
         lr: peak learning rate.
         betas, eps, weight_decay: AdamW's.
-        warmup_ratio: the share of the steps with a linear warmup from 0 to ``lr``.
-        min_lr_ratio: the cosine decays to ``min_lr_ratio`` × ``lr``.
-        max_grad_norm: gradient clipping (None = none).
+        warmup_ratio: the share of the steps with a linear warmup to ``lr``: with ``w = ceil(warmup_ratio ×
+            steps)``, step ``s < w`` runs at ``(s + 1) / w`` × ``lr`` (the first at ``lr / w``, not 0).
+        min_lr_ratio: the cosine decays towards ``min_lr_ratio`` × ``lr``, which it reaches at step ``steps``
+            (one past the last: the last step runs a little above it).
+        max_grad_norm: gradient clipping (None or 0 = none).
         gate_lr: learning rate of the per-head cross-attention gates (``init_mode: gate``); None = ``lr``.
         lr_by_name: learning rates by parameter-name part, ``{"match_gate": 2e-2, "token_gate": 1e-3}``: a
             trainable parameter whose name contains a listed part learns at that part's rate (the first
@@ -121,6 +123,11 @@ class OptimConfig:
             bad = {k: v for k, v in self.lr_by_name.items() if not (isinstance(v, (int, float)) and v > 0)}
             _check(not bad, f"optim.lr_by_name rates must be positive numbers, got {bad}")
         _check(len(self.betas) == 2, f"optim.betas must be two numbers, got {self.betas!r}")
+        _check(
+            self.max_grad_norm is None or self.max_grad_norm >= 0,
+            f"optim.max_grad_norm must be a positive norm (or null / 0: no clipping), got {self.max_grad_norm} "
+            "(a negative one would flip the sign of every gradient)",
+        )
         _check(
             0.0 <= self.warmup_ratio < 1.0, f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}"
         )
@@ -427,7 +434,15 @@ class TrainConfig:
         _check(bool(self.output_dir), "output_dir must be set")
         self.data.validate()
         self.optim.validate()
-        for name in ("steps", "batch_size", "micro_batch_size", "save_every", "log_every", "top_k"):
+        for name in (
+            "steps",
+            "batch_size",
+            "micro_batch_size",
+            "save_every",
+            "log_every",
+            "top_k",
+            "teacher_examples_per_shard",
+        ):
             _check(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
         for name in (
             "mlm_seq_length",
@@ -462,6 +477,7 @@ class TrainConfig:
                 self.stage == "warmup" or (self.stage == "cepe" and self.tasks is not None),
                 "align_coef (attention supervision) needs the copy warmup stage or a mixed CEPE stage (tasks)",
             )
+        _check(0.0 <= self.context_drop <= 1.0, f"context_drop must be in [0, 1], got {self.context_drop}")
         _check(
             self.context_drop == 0 or self.stage == "cepe" or self.online_teacher,
             f"context_drop needs the cepe stage or the online teacher (stage {self.stage!r}): the offline "
@@ -502,6 +518,12 @@ class TrainConfig:
         from .losses import KL_FORMS  # here, not at the top: `cepe train --help` reads this module (no torch)
 
         _check(self.kl_form in KL_FORMS, f"kl_form must be one of {KL_FORMS}, got {self.kl_form!r}")
+        for name in ("ce_coef", "kl_coef"):  # a negative one would maximise its loss
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _check(
+            0.0 <= self.kl_smoothing < 1.0,
+            f"kl_smoothing must be in [0, 1) (the teacher's share spread evenly), got {self.kl_smoothing}",
+        )
         _check(self.decoder_dtype in ("float32", "bfloat16"), "decoder_dtype must be float32 or bfloat16")
         _check(self.bf16 in (True, False, "auto"), f"bf16 must be true, false or auto, got {self.bf16!r}")
         _check(
@@ -641,11 +663,12 @@ class TrainConfig:
             f"task shares must be >= 0 and not all zero, got {self.tasks!r}",
         )
         _check(0.0 <= self.copy_shuffle <= 1.0, f"copy_shuffle must be in [0, 1], got {self.copy_shuffle}")
-        lo, hi = (int(x) for x in self.recall_span)
         _check(
-            len(self.recall_span) == 2 and 1 <= lo <= hi,
-            f"recall_span must be [min, max] with 1 <= min <= max, got {self.recall_span}",
+            len(self.recall_span) == 2,
+            f"recall_span must be [min, max] (two token counts), got {self.recall_span}",
         )
+        lo, hi = (int(x) for x in self.recall_span)
+        _check(1 <= lo <= hi, f"recall_span must be [min, max] with 1 <= min <= max, got {self.recall_span}")
         _check(self.recall_cue >= 1, f"recall_cue must be >= 1, got {self.recall_cue}")
         _check(
             0.0 <= self.recall_foreign <= 1.0, f"recall_foreign must be in [0, 1], got {self.recall_foreign}"
@@ -677,7 +700,6 @@ class TrainConfig:
             not self.icl_align or self.align_coef > 0,
             "icl_align supervises attention: it needs align_coef > 0 (set align_coef, or drop icl_align)",
         )
-        _check(0.0 <= self.context_drop <= 1.0, f"context_drop must be in [0, 1], got {self.context_drop}")
         room = min(self.n_decoder, self.n_chunks * self.chunk_length)
         _check(
             self.recall_cue + hi <= room,
@@ -780,7 +802,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        """A hash of everything that changes the computed losses (not paths, logging or step counts)."""
+        """A hash of the fields that decide the computed losses: every field but ``output_dir``, ``progress``,
+        ``save_every``, ``keep_checkpoints``, ``log_every``, ``num_threads`` and :data:`RUN_CONTROL_FIELDS`
+        (fields added later are left out at their defaults). The paths it holds (``decoder``,
+        ``init_adapter``, ``data.corpus``, ...) and ``steps`` (the schedule spans them) count; so do a few
+        fields that do not change the losses (``gradient_checkpointing``, ``teacher_examples_per_shard``),
+        kept so that the fingerprints of recorded runs stay the same."""
         d = self.to_dict()
         for key in ("output_dir", "progress", "save_every", "keep_checkpoints", "log_every", "num_threads"):
             d.pop(key, None)

@@ -62,7 +62,10 @@ def online_teacher_topk(
         at = 0 if context_at is None else int(context_at[i])
         ids = torch.cat([input_ids[i, :at], ctx, input_ids[i, at:]])[None]  # (1, S_i + n)
         hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0]  # (S_i + n, D)
-        where = torch.where(rows < at, rows, rows + ctx.numel())
+        # row t predicts decoder token t+1: before the context while t+1 < at; from t = at-1 on, token t+1
+        # stands after the context, so the teacher predicts it from its position t + S_i (for t = at-1:
+        # the context's last token, not the decoder token before the context, which predicts the context)
+        where = torch.where(rows + 1 < at, rows, rows + ctx.numel())
         p, j = teacher_topk(decoder_logits(decoder, hidden[where]), k)
         probs[i, rows] = p.to(probs.device)
         idx[i, rows] = j.long().to(idx.device)

@@ -69,7 +69,8 @@ DIGESTS_FILE = "final_digests.json"
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """Linear warmup over ``ceil(warmup_ratio·steps)`` steps, then cosine decay to ``min_lr_ratio``·lr.
+    """Linear warmup over ``ceil(warmup_ratio·steps)`` steps, then cosine decay towards ``min_lr_ratio``·lr
+    (reached at step ``steps``, one past the last).
 
     Kept by hand: transformers has no schedule with these per-step factors (``tests/test_kept_libraries.py``
     compares them). ``get_cosine_schedule_with_warmup`` has no floor and warms up from 0 (``s / warmup``,
@@ -745,9 +746,11 @@ def _calibrate_match_gate(run: _Run) -> None:
         _print(run.main, "match gates: the init adapter's calibrated norms kept")
         return
 
+    per_step = cfg.batch_size // cfg.micro_batch_size  # a step's micro-batches, over all processes
+
     def forward() -> None:
         for i in range(cfg.match_gate_calibrate):  # the first micro-batches, as training builds them
-            batch = micro_batch(cfg, run.make, i // run.accum, i % run.accum)
+            batch = micro_batch(cfg, run.make, i // per_step, i % per_step)
             run.module({k: v.to(run.acc.device) for k, v in batch.items()})
             run.stage_module.release()
 
@@ -867,7 +870,7 @@ def _save_artifact(run: _Run) -> None:
             save_encoder(run.inner, run.out)
         else:
             run.inner.save_pretrained(run.out)
-        (run.out / DIGESTS_FILE).write_text(json.dumps(digests, indent=2) + "\n")
+        fileio.write_text(run.out / DIGESTS_FILE, json.dumps(digests, indent=2) + "\n")  # atomic
         if len(set(digests)) > 1:
             warnings.warn(f"processes ended with different trainable weights: {digests}", stacklevel=3)
     run.acc.wait_for_everyone()
