@@ -8,7 +8,11 @@ always holds positions ``0 .. sink + recent - 1``, and new tokens continue from 
 covers the whole input nothing is evicted and the result equals full attention.
 
 Works with RoPE decoders whose keys are rotated with the half-split convention (Llama, Mistral, Qwen2,
-...) through ``model.model.rotary_emb``. Shape legend: B batch, KV key/value heads, T tokens, hd head dim.
+...) through ``model.model.rotary_emb``. The cache holds plain (unbounded) layers for every decoder, also
+one whose config names a sliding window (Mistral, Gemma 2): a sliding-window cache layer counts every token
+it was ever given as its length, so after an eviction the next tokens would take text positions and the
+next eviction the wrong shift; the model's own window still applies, over cache positions.
+Shape legend: B batch, KV key/value heads, T tokens, hd head dim.
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ class StreamingLLM(Method):
             layer.keys = torch.cat([k[:, :, : self.sink], recent_k], dim=2).contiguous()
             layer.values = torch.cat([v[:, :, : self.sink], v[:, :, -self.recent :]], dim=2).contiguous()
 
+    @staticmethod
+    def _new_cache() -> DynamicCache:
+        """An empty cache of plain layers, whose length is the keys it holds (see the module docstring)."""
+        return DynamicCache()
+
     def _step(self, cache: DynamicCache, ids: torch.Tensor, keep: int) -> torch.Tensor | None:
         """Read ``ids`` ``(1, t)`` at the next cache positions; logits of the last ``keep`` positions."""
         start = cache.get_seq_length()
@@ -101,7 +110,7 @@ class StreamingLLM(Method):
             ids = torch.tensor([r.input_ids], device=self.device)
             total, n = ids.shape[1], r.num_targets
             first_needed = total - n - 1  # the logit at position p predicts token p + 1
-            cache = DynamicCache(config=self.decoder.config)
+            cache = self._new_cache()
             pieces = []
             for a in range(0, total, self.stride):
                 b = min(a + self.stride, total)
@@ -118,7 +127,7 @@ class StreamingLLM(Method):
         if sampling.get("do_sample"):
             raise ValueError("streamingllm generation is greedy only; set sampling off for this method")
         ids = torch.tensor([request.input_ids], device=self.device)
-        cache = DynamicCache(config=self.decoder.config)
+        cache = self._new_cache()
         logits = None
         for a in range(0, ids.shape[1], self.stride):
             b = min(a + self.stride, ids.shape[1])
