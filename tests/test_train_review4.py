@@ -126,3 +126,37 @@ def test_config_still_takes_the_limits(tmp_path):
         {"context_drop": 0.0},
     ):
         load_config(_tiny(tmp_path, **over))
+
+
+@pytest.mark.parametrize("when", ["rewrite", "rotation"])
+def test_a_kill_while_deleting_a_checkpoint_leaves_no_partial_step_directory(tmp_path, monkeypatch, when):
+    """A checkpoint is renamed out of the ``step_*`` names before it is deleted. Deleted in place, a kill
+    part-way left a ``step_*`` directory with its state file and without its weights, which
+    ``checkpoint_dirs`` lists as complete (a resume would then fail or read the wrong weights)."""
+    import shutil
+
+    from cepe.training.checkpoint import checkpoint_dirs, save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in (20, 40):
+        save_checkpoint(tmp_path, step, model, opt, sched, {"step": step}, [{}], keep=2)
+    real = shutil.rmtree
+
+    def killed_part_way(path, *args, **kw):  # deletes the weights, then the process is gone
+        for weights in Path(path).rglob("model.safetensors"):
+            weights.unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(
+            tmp_path, 40 if when == "rewrite" else 60, model, opt, sched, {"step": 0}, [{}], keep=2
+        )
+    monkeypatch.setattr(shutil, "rmtree", real)
+    listed = checkpoint_dirs(tmp_path)
+    assert listed and all((p / "mlm" / "model.safetensors").is_file() for _, p in listed), listed
+    save_checkpoint(tmp_path, 80, model, opt, sched, {"step": 80}, [{}], keep=2)  # the next save tidies up
+    assert all((p / "mlm" / "model.safetensors").is_file() for _, p in checkpoint_dirs(tmp_path))
+    assert not list((tmp_path / "checkpoints").glob(".old-*"))

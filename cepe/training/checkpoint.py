@@ -88,16 +88,28 @@ def save_checkpoint(
             torch.save(s, tmp / f"rng_rank{r}.pt")
         with open(tmp / STATE_FILE, "w") as f:
             json.dump(state, f, indent=2, sort_keys=True)
-        if final.exists():
-            shutil.rmtree(final)
+        old = _set_aside(final) if final.exists() else None
         os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     rotated = [(s, p) for s, p in checkpoint_dirs(output_dir) if s not in keep_steps]
-    for _, old in rotated[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    for _, gone in rotated[:-keep]:
+        shutil.rmtree(_set_aside(gone), ignore_errors=True)
+    for stale in root.glob(".old-step_*"):  # set aside by a save that was killed before removing it
+        shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a checkpoint out of the ``step_*`` names before deleting it: a kill part-way through the
+    deletion must not leave a ``step_*`` directory that still holds its state file but lost its weights
+    (:func:`checkpoint_dirs` would take it for complete)."""
+    aside = Path(tempfile.mkdtemp(prefix=f".old-{path.name}-", dir=path.parent))
+    os.replace(path, aside / path.name)
+    return aside
 
 
 def load_checkpoint(
