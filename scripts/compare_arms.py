@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+from cepe.fileio import atomic_path, write_text
+
 IN_WINDOW = (2048, 0.9)  # the reported needle's one cell whose needle lies in the decoder window
 
 
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
     for arm, step, _ in found:
         if arm in runs and (m := cpu_minutes(runs[arm], step)) is not None:
             table[f"{arm} step {step}"]["training CPU-minutes"] = m
-    (root / "compare.json").write_text(json.dumps(table, indent=1) + "\n")
+    write_text(root / "compare.json", json.dumps(table, indent=1) + "\n")
 
     names = list(table)
     keys = [k for k in dict.fromkeys(k for v in table.values() for k in v) if k not in ("arm", "step")]
@@ -94,7 +96,7 @@ def main(argv: list[str]) -> int:
     for k in keys:
         cells = [f"{table[n][k]:.2f}" if isinstance(table[n].get(k), float) else "" for n in names]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    (root / "compare.md").write_text("\n".join(lines) + "\n")
+    write_text(root / "compare.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
     import matplotlib
@@ -116,7 +118,8 @@ def main(argv: list[str]) -> int:
         ax.axis("off")
     axes.flat[0].legend()
     fig.tight_layout()
-    fig.savefig(root / "compare.png", dpi=90)
+    with atomic_path(root / "compare.png", suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=90)
     return 0
 
 

@@ -48,10 +48,12 @@ GROUPS = ("reader", "mix length", "copy length", "mix matches", "copy matches", 
 
 def stats_at(model, seq: list[int], context: int, cfg: Config) -> TokenStats:
     """The mixture's per-token numbers at the ``eval_tokens`` fixed targets of ``seq`` with ``context``
-    tokens before the decoder window in the encoder (> 0)."""
+    tokens before the decoder window in the encoder (> 0), laid out as ``cepe eval fixedppl`` reads them
+    (pieces of the config's ``chunk_length``, each in chunks of the adapter's)."""
     w, n = cfg.decoder_window, cfg.eval_tokens
     before, dec = seq[len(seq) - w - context : len(seq) - w], torch.tensor([seq[-w:]])
-    parts = [chunk_ids(p, cfg.chunk_length, pad_id=0) for p in chunk_tail_aligned(before, cfg.chunk_length)]
+    chunk = int(model.cepe_config.chunk_length)
+    parts = [chunk_ids(p, chunk, pad_id=0) for p in chunk_tail_aligned(before, cfg.chunk_length)]
     ids, mask = collate_chunks(
         [(torch.cat([c for c, _ in parts]), torch.cat([m for _, m in parts]))], pad_id=0
     )

@@ -33,14 +33,15 @@ ORDER = 8  # suffix lengths the copy looks for (the shipped adapter's mix_match)
 
 @torch.no_grad()
 def token_nll(model, seq: list[int], context: int, cfg: Config) -> tuple[list, list]:
-    """The scored tokens' NLL and whether each one's prefix occurs in the context (copy spans), ``(E,)``."""
+    """The scored tokens' NLL and whether each one's prefix occurs in the context (copy spans), ``(E,)``.
+    The context is laid out as ``cepe eval fixedppl`` reads it: pieces of the config's ``chunk_length``
+    aligned to the window, each encoded in chunks of the adapter's ``chunk_length``."""
     w, n = cfg.decoder_window, cfg.eval_tokens
     before, dec = seq[len(seq) - w - context : len(seq) - w], torch.tensor([seq[-w:]])
     kw = {}
     if context:
-        parts = [
-            chunk_ids(p, cfg.chunk_length, pad_id=0) for p in chunk_tail_aligned(before, cfg.chunk_length)
-        ]
+        chunk = int(model.cepe_config.chunk_length)
+        parts = [chunk_ids(p, chunk, pad_id=0) for p in chunk_tail_aligned(before, cfg.chunk_length)]
         ids, mask = collate_chunks(
             [(torch.cat([c for c, _ in parts]), torch.cat([m for _, m in parts]))], pad_id=0
         )

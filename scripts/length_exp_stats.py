@@ -31,6 +31,12 @@ def per_layer(state: dict[str, torch.Tensor], suffix: str) -> torch.Tensor | Non
     return torch.stack([v for _, v in sorted(found, key=lambda x: x[0])]) if found else None
 
 
+def median(t: torch.Tensor) -> float:
+    """The median of ``t``'s values: the mean of the two middle ones for an even count (``Tensor.median``
+    gives the lower of the two)."""
+    return float(t.float().quantile(0.5))
+
+
 def stats(adapter: str, align_heads: int = 3) -> dict[str, dict[str, float]]:
     path = Path(adapter) / "adapter_model.safetensors"
     if not path.is_file():
@@ -43,11 +49,9 @@ def stats(adapter: str, align_heads: int = 3) -> dict[str, dict[str, float]]:
             continue
         out[name] = {
             "heads": t.numel(),
-            "median": t.median().item(),
-            "median_align_heads": t[:, :align_heads].median().item(),
-            "median_other_heads": t[:, align_heads:].median().item()
-            if t.shape[1] > align_heads
-            else float("nan"),
+            "median": median(t),
+            "median_align_heads": median(t[:, :align_heads]),
+            "median_other_heads": median(t[:, align_heads:]) if t.shape[1] > align_heads else float("nan"),
             "align_heads_above_0.05": int((t[:, :align_heads] > 0.05).sum()),
             "above_0.05": int((t > 0.05).sum()),
             "below_-0.05": int((t < -0.05).sum()),
@@ -57,14 +61,14 @@ def stats(adapter: str, align_heads: int = 3) -> dict[str, dict[str, float]]:
     bias, weight = per_layer(state, "short_gate.bias"), per_layer(state, "short_gate.weight")
     if bias is not None:
         out["short_gate"] = {
-            "median_bias": bias.median().item(),
+            "median_bias": median(bias),
             "mean_abs_weight": weight.abs().mean().item(),
         }
         match = per_layer(state, "short_match")
         if match is not None:
             out["short_gate"] |= {
-                "median_a": match[..., 0].median().item(),
-                "median_c": match[..., 1].median().item(),
+                "median_a": median(match[..., 0]),
+                "median_c": median(match[..., 1]),
             }
     if not out:
         raise SystemExit(f"{adapter} has no length exponents and no short-context gates")

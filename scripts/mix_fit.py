@@ -56,7 +56,25 @@ def token_kinds(ids: list[int], ctx: list[int]) -> list[str]:
 def collect(model, data, n: int, order: int) -> dict[str, torch.Tensor | list[str]]:
     """Per scored token (the last ``n`` of each window): ``h`` ``(N, 2D)`` (with and without the context),
     ``lp_ctx`` / ``lp_dec`` ``(N,)`` the target's log-probabilities, ``match`` ``(N, K)``, ``own`` ``(N,)``
-    the adapter's own mixing logit, and ``kind`` (N token kinds)."""
+    the adapter's own mixing logit, and ``kind`` (N token kinds). The hidden states are the head's first
+    2·D inputs (an own head may read more after them: ``mix_match``, ``mix_length``, ``mix_agree``).
+
+    Raises:
+        SystemExit: the adapter's head does not read the hidden states (``mix_hidden: false``), or its
+            output mixes in the copy (``mix_copy``), which a two-way mixture's NLL does not score.
+    """
+    c = model.cepe_config
+    if not c.mix_hidden or c.mix_copy:
+        raise SystemExit(
+            "mix_fit reads both hidden states from the mixing head's inputs and scores the adapter's own "
+            "head as a two-way mixture: this adapter's head "
+            + (
+                "reads no hidden states (mix_hidden: false)"
+                if not c.mix_hidden
+                else "mixes in the copy (mix_copy)"
+            )
+        )
+    d = int(model.decoder.config.hidden_size)
     rows: dict[str, list] = {"h": [], "lp_ctx": [], "lp_dec": [], "match": [], "own": [], "kind": []}
     seen: list[torch.Tensor] = []
     hook = model.mix_head.register_forward_hook(lambda _m, inp, out: seen.append((inp[0], out)))
@@ -65,8 +83,7 @@ def collect(model, data, n: int, order: int) -> dict[str, torch.Tensor | list[st
             with autocast("cpu"):
                 model(input_ids=dec, encoder_input_ids=enc)
             x, a = seen.pop()
-            x, a = x.float().reshape(-1, x.shape[-1])[:-1][-n:], a.float().reshape(-1)[:-1][-n:]
-            d = x.shape[-1] // 2
+            x, a = x.float().reshape(-1, x.shape[-1])[:-1][-n:, : 2 * d], a.float().reshape(-1)[:-1][-n:]
             target = dec[0, 1:][-n:, None]
             for key, h in (("lp_ctx", x[:, :d]), ("lp_dec", x[:, d:])):
                 rows[key].append(model.lm_logits(h).float().log_softmax(-1).gather(-1, target)[:, 0])

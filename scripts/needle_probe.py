@@ -27,7 +27,6 @@ Writes only ``--json`` (and the table beside it as ``.md``); pause a training ru
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -36,6 +35,7 @@ from cepe.cross_attention import CrossAttention
 from cepe.eval.api import task_config
 from cepe.eval.cli import load_eval_config
 from cepe.eval.tasks.needle import Config, build_haystack, needle_request, prompt_parts
+from cepe.fileio import write_json, write_text
 from cepe.generation import load_model
 
 
@@ -74,6 +74,8 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
         q = q.transpose(1, 2).float()  # (1, H, 1, hd)
         if ctx.q_scale is not None:
             q = q * ctx.q_scale.float()
+        if mod.length_exp is not None:  # the context-length exponents scale the scores, as the layer does
+            q = mod.length_scaled(q, ctx)
         k = ctx.kv[mod.layer_idx][0].float()  # (1, KV, S (+1 with a null key), hd)
         k = k.repeat_interleave(mod.num_heads // k.shape[1], dim=1)
         scores = (q @ k.transpose(-1, -2))[0, :, 0] * mod.scale  # (H, S')
@@ -85,6 +87,11 @@ def probe(model, tok, cfg: Config, bf16: bool, forced: str = "") -> list[dict]:
         captured[mod.layer_idx] = scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
     mods = [m for m in model.modules() if isinstance(m, CrossAttention)]
+    if any(m.run_bias is not None for m in mods):
+        raise SystemExit(
+            "needle_probe reads each layer's softmax from its scores, and this adapter adds run biases "
+            "(run_bias) to them, which the probe does not: its masses would not be the adapter's"
+        )
     handles = [m.register_forward_hook(hook) for m in mods]
     rows = []
     try:
@@ -234,11 +241,9 @@ def main() -> None:
     lines = summary(rows)
     print("\n".join(lines))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(a.json, rows, indent=1)
         head = f"# Needle attention: {a.adapter}, {a.config}" + (f", forced {a.forced!r}" if a.forced else "")
-        with open(a.json.removesuffix(".json") + ".md", "w") as f:
-            f.write(head + "\n\n" + "\n".join(lines) + "\n")
+        write_text(a.json.removesuffix(".json") + ".md", head + "\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from cepe.fileio import atomic_path, write_text
+
 DOMAINS = ("essays", "papers", "code")
 # reference rows: (name, copy.json, method)
 REFERENCES = [
@@ -87,12 +89,13 @@ def main(runs: Path = Path("runs/recipe"), out: Path = Path("results/recipe")) -
     ax.set_ylabel("training loss (shuffled copy warmup, 10-step mean)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "recipe.png", dpi=120)
-    (out / "recipe.json").write_text(json.dumps(rows, indent=2) + "\n")
+    with atomic_path(out / "recipe.png", suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
+    write_text(out / "recipe.json", json.dumps(rows, indent=2) + "\n")
     keys = list(dict.fromkeys(k for r in rows for k in r))
     md = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     md += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    (out / "recipe.md").write_text("\n".join(md) + "\n")
+    write_text(out / "recipe.md", "\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -16,6 +16,8 @@ import math
 import os
 import sys
 
+from cepe.fileio import write_json, write_text
+
 
 def row(run_dir: str, key: str, value: str) -> dict:
     r: dict = {key: float(value)}
@@ -38,21 +40,31 @@ def row(run_dir: str, key: str, value: str) -> dict:
     return r
 
 
+def _cell(v: float) -> str:
+    """Three significant digits, without an exponent from 1,000 on (a perplexity of 1234.5 reads 1234)."""
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
 def table(rows: list[dict], title: str) -> list[str]:
+    """The rows under ``title``; the first column, the swept value, as given (``:g``), the others to three
+    significant digits."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(f"{r.get(k, math.nan):.3g}" for k in keys) + " |" for r in rows]
+    lines += [
+        "| "
+        + " | ".join(f"{r[k]:g}" if j == 0 else _cell(r.get(k, math.nan)) for j, k in enumerate(keys))
+        + " |"
+        for r in rows
+    ]
     return lines
 
 
 def main(argv: list[str]) -> None:
     out, adapter, key, prefix, name, title, *values = argv
     rows = [row(f"{out}/{prefix}_{v}", key, v) for v in values]
-    with open(f"{out}/{name}.json", "w") as f:
-        json.dump({"adapter": adapter, "rows": rows}, f, indent=1)
+    write_json(f"{out}/{name}.json", {"adapter": adapter, "rows": rows}, indent=1)
     lines = table(rows, f"{title}: {adapter}")
-    with open(f"{out}/{name}.md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(f"{out}/{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

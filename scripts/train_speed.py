@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from cepe.fileio import write_text
 from cepe.training.config import load_config
 from cepe.training.trainer import read_log, train
 
@@ -84,6 +85,11 @@ def main() -> int:
     )
     ap.add_argument("--out", default="results/train_speed")
     args = ap.parse_args()
+    if args.steps < 2 or args.rounds < 1:
+        ap.error(
+            f"--steps {args.steps} --rounds {args.rounds}: each run's first step is not timed, so a "
+            "measurement needs at least 2 steps a run and 1 round"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"cpu": cpu_kind(), "threads": torch.get_num_threads(), "torch": torch.__version__, "stages": {}}
@@ -98,7 +104,7 @@ def main() -> int:
                     res = one_run(stage, Path(tmp) / "run", args.steps, name == "reference", prof, over)
                     if prof:
                         text = (Path(tmp) / "run" / "profile.txt").read_text()
-                        (out / f"profile_{stage}_{name}.txt").write_text(text)
+                        write_text(out / f"profile_{stage}_{name}.txt", text)
                 runs[name].append(res)
                 print(f"{stage} {name} round {r}: {res['step_s']:.2f} s/step", flush=True)
         summary = {}
@@ -113,7 +119,7 @@ def main() -> int:
         summary["first_loss"] = {n: rs[0]["losses"][0] for n, rs in runs.items()}
         summary["runs"] = runs
         result["stages"][stage] = summary
-    (out / "train_speed.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text(out / "train_speed.json", json.dumps(result, indent=2) + "\n")
     lines = [
         f"CPU: {result['cpu']}, {result['threads']} threads, torch {result['torch']}",
         "",
@@ -127,7 +133,7 @@ def main() -> int:
                 f"| {stage} | {name} | {x['step_s']:.2f} | {x['decoder_tokens_per_s']:.0f} | "
                 f"{x['encoder_tokens_per_s']:.0f} | {100 * x['peak_fraction']:.1f} | {x['speedup']:.2f} |"
             )
-    (out / "train_speed.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "train_speed.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

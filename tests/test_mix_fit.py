@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from conftest import load_script, randomize_cross, tiny_cepe_config, tiny_decoder
 
@@ -95,12 +96,14 @@ def test_vectorised_suffix_agreement_agrees_with_the_reference():
     assert suffix_agreement(torch.tensor([[4, 4], [5, 5]]), short).sum() == 0
 
 
-def test_collect_records_what_the_mixture_computes(monkeypatch):
+@pytest.mark.parametrize("inputs", [{}, {"mix_match": 3, "mix_length": True, "mix_agree": True}])
+def test_collect_records_what_the_mixture_computes(monkeypatch, inputs):
     """``-mix_nll`` of the recorded log-probabilities and the recorded own logit is the mixture model's
     log-probability of each scored target (in fp32: ``collect`` runs bf16 autocast where bf16 is fast, as
-    the evaluations' ``--autocast auto`` does)."""
+    the evaluations' ``--autocast auto`` does), also for a head that reads more than the hidden states."""
     monkeypatch.setenv("CEPE_BF16", "0")
-    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(output_mix=True)).eval()
+    cfg = tiny_cepe_config(output_mix=True, **inputs)
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), cfg).eval()
     randomize_cross(model)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -115,6 +118,20 @@ def test_collect_records_what_the_mixture_computes(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert rows["match"].shape == (5, 3) and len(rows["kind"]) == 5
     torch.testing.assert_close(rows["match"], suffix_matches_ref(dec[0].tolist(), ctx, 3)[:-1][-5:])
+
+
+@pytest.mark.parametrize(
+    "inputs, why",
+    [
+        ({"mix_match": 3, "mix_hidden": False}, "mix_hidden: false"),
+        ({"mix_match": 3, "mix_copy": True}, "mix_copy"),
+    ],
+)
+def test_collect_refuses_a_head_without_hidden_states_or_with_the_copy(inputs, why):
+    model = CepeForCausalLM.from_decoder(tiny_decoder(), tiny_cepe_config(output_mix=True, **inputs)).eval()
+    dec, enc = torch.randint(1, 60, (1, 12)), torch.randint(1, 60, (1, 2, 8))
+    with pytest.raises(SystemExit, match=why):
+        mix_fit.collect(model, [("d", dec, enc, enc.reshape(-1).tolist())], 5, 3)
 
 
 def test_a_fitted_head_gives_the_reader_the_tokens_it_gets_right():

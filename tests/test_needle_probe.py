@@ -103,3 +103,66 @@ def test_find_text_says_where_a_line_stands_in_each_prompt():
         "400: 1 distinct decoder window(s) over the depths",
         "800: 1 distinct decoder window(s) over the depths",
     ]
+
+
+def _needle_config():
+    from cepe.eval.tasks.needle import Config
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    docs = [
+        {"text": " ".join(f"{words[(i * j) % 10].capitalize()} {words[j % 10]} {j}." for j in range(60))}
+        for i in range(3)
+    ]
+    return Config(
+        haystack={"documents": docs},
+        totals=[400, 800],
+        depths=[0.0, 0.5],
+        decoder_window=64,
+        chunk_length=32,
+        chat_template=False,
+    )
+
+
+def test_probe_reads_the_softmax_the_layer_computes_with_length_exponents(monkeypatch):
+    """The null key's mass in each layer is the one in the softmax the cross-attention kernel computes,
+    with the context-length exponents scaling the scores (heads' exponents far from zero)."""
+    import torch
+
+    import cepe.cross_attention as ca
+    from cepe.layers import repeat_kv
+    from cepe.tiny import tiny_model
+
+    mod = _module()
+    model, tok = tiny_model(chunk_length=32)
+    model.enable_null_key()
+    model.enable_length_scale(64)
+    with torch.no_grad():
+        for m in model.cross_attention_modules():
+            m.length_exp.copy_(torch.linspace(-1.5, 2.0, m.num_heads))
+    kernels = dict(ca.ATTENTION_KERNELS)
+    seen: list[torch.Tensor] = []
+
+    def spy(q, k, v, key_mask, scale, bias=None):  # the softmax of the last query of the first row
+        s = (q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2)) * scale
+        if key_mask is not None:
+            s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        seen.append(s[0, :, -1].softmax(-1))
+        return kernels["eager"](q, k, v, key_mask, scale, bias)
+
+    monkeypatch.setattr(ca, "ATTENTION_KERNELS", {"eager": spy, "sdpa": spy})
+    rows = mod.probe(model, tok, _needle_config(), bf16=False)
+    layers = len(model.cross_attention_modules())
+    assert rows and len(seen) == layers * len(rows)
+    for i, r in enumerate(rows):
+        got = [v["null"] for _, v in sorted(r["layers"].items())]
+        want = [float(p[:, 0].mean()) for p in seen[i * layers : (i + 1) * layers]]
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_probe_refuses_an_adapter_with_run_biases():
+    from cepe.tiny import tiny_model
+
+    model, tok = tiny_model(chunk_length=32)
+    model.enable_run_bias()
+    with pytest.raises(SystemExit, match="run_bias"):
+        _module().probe(model, tok, _needle_config(), bf16=False)
