@@ -188,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--every must be a positive number of steps, got {args.every}")
     terms = [t for t in args.terms.split(",") if t]
     stages = [n for n in args.stages if not n.startswith("heads:")]  # the chain's heads: no training steps
+    if not stages:
+        ap.error(
+            "no training stage named: heads:NAME entries have no steps (their verdicts are in "
+            "results/recipe/NAME/val_verdict.md); name the stages, e.g. read_lm6"
+        )
     rows = [
         stage_row(n, Path(args.runs), Path(args.configs), args.every, terms, args.pace_from, args.pace_to)
         for n in stages

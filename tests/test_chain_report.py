@@ -92,3 +92,12 @@ def test_a_stage_whose_process_is_gone_is_not_running(tmp_path):
     gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
     (runs / "b/status.json").write_text(json.dumps({"state": "running", "pid": int(gone.stdout)}))
     assert mod.stage_row("b", runs, configs, every=4, terms=[])["state"] == "stopped (process gone)"
+
+
+def test_only_heads_entries_are_refused_with_what_to_name(tmp_path, capsys):
+    """A call naming only ``heads:`` entries (no training steps) says what to name (was an IndexError)."""
+    mod = load_script("chain_report")
+    configs, runs = _chain(tmp_path)
+    with pytest.raises(SystemExit):
+        mod.main(["heads:mix_fit16", "--runs", str(runs), "--configs", str(configs)])
+    assert "no training stage named" in capsys.readouterr().err
