@@ -213,6 +213,9 @@ def attach_cross_attention(
             run_bias=run_bias,
             qk_norm=getattr(layer.self_attn, "q_norm", None) is not None,
         )
+        scalar = getattr(cfg, "query_pre_attn_scalar", None)
+        if scalar is not None:  # Gemma 2/3 scale scores by this, not head_dim: so does a copy of their q/k
+            cross.scale = float(scalar) ** -0.5
         p = next(decoder.parameters())
         cross.to(device=p.device, dtype=p.dtype)
         layer.cross_attn = cross

@@ -56,6 +56,8 @@ def _reference_layer_check(model: CepeForCausalLM, ids, enc_ids, enc_mask, gemma
     """Recompute every decoder layer in the released order from its recorded input and compare."""
     records = []
     layers = decoder_layers(model.decoder)
+    # the score scale of the layers' own attention: 1/sqrt(head_dim), 1/sqrt(query_pre_attn_scalar) for Gemma 2/3
+    score_dim = getattr(model.config, "query_pre_attn_scalar", None)
 
     def pre(mod, args, kwargs):
         records.append(
@@ -78,7 +80,7 @@ def _reference_layer_check(model: CepeForCausalLM, ids, enc_ids, enc_mask, gemma
             with model.use_context(None):
                 a, _ = lay.self_attn(hidden_states=lay.input_layernorm(h_in), **kwargs)
                 h1 = h_in + (lay.post_attention_layernorm(a) if gemma else a)
-                h2 = h1 + _cross_ref(lay.cross_attn, h1, states, key_mask)
+                h2 = h1 + _cross_ref(lay.cross_attn, h1, states, key_mask, score_dim)
                 if gemma:
                     out = h2 + lay.post_feedforward_layernorm(lay.mlp(lay.pre_feedforward_layernorm(h2)))
                 else:
@@ -86,7 +88,7 @@ def _reference_layer_check(model: CepeForCausalLM, ids, enc_ids, enc_mask, gemma
             assert (out - rec["output"]).abs().max().item() < 1e-5
 
 
-def _cross_ref(cross, h, states, key_mask):
+def _cross_ref(cross, h, states, key_mask, score_dim=None):
     """The released computation written out: norm, projections, repeat KV, fp32 softmax, o_proj; for
     families whose self-attention normalises each q/k head (Qwen 3, Gemma 3), the same per-head RMS norms
     (cepe's one deliberate addition to the released layer)."""
@@ -104,7 +106,7 @@ def _cross_ref(cross, h, states, key_mask):
     v = (states @ cross.v_proj.weight.T).view(b, -1, cross.num_kv, cross.head_dim).transpose(1, 2)
     rep = cross.num_heads // cross.num_kv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(cross.head_dim)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(score_dim or cross.head_dim)
     scores = scores + torch.where(key_mask, 0.0, torch.finfo(scores.dtype).min)[:, None, None, :]
     p = torch.softmax(scores.float(), -1).to(q.dtype)
     return (p @ v).transpose(1, 2).reshape(b, t, -1) @ cross.o_proj.weight.T
