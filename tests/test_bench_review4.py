@@ -9,28 +9,11 @@ import json
 
 import pytest
 import torch
+from test_bench import tiny_cfg
 
-from cepe.bench import BenchConfig
 from cepe.bench.runner import build_model, cost_model, prefill, random_ids
 
-
-def _tiny(**kw) -> BenchConfig:
-    base = dict(
-        model="tiny",
-        encoder_hidden=32,
-        encoder_layers=2,
-        encoder_heads=2,
-        chunk=16,
-        window=64,
-        full_chunk=48,
-        replug_piece=32,
-        lengths=[96, 160],
-        decode_context=160,
-        decode_tokens=2,
-        dtype="fp32",
-    )
-    base.update(kw)
-    return BenchConfig(**base)
+_tiny = tiny_cfg  # the benchmark tests' tiny settings
 
 
 @pytest.mark.parametrize("method", ["cepe", "full", "streamingllm", "replug"])

@@ -20,7 +20,6 @@ def test_find_locates_the_needle_and_a_merged_first_token():
 
 @pytest.mark.parametrize("variant", ["plain", "null_key", "output_mix"])
 def test_probe_reads_each_layer_softmax_over_the_encoder(variant):
-    from cepe.eval.tasks.needle import Config
     from cepe.tiny import tiny_model
 
     mod = _module()
@@ -31,19 +30,7 @@ def test_probe_reads_each_layer_softmax_over_the_encoder(variant):
     if variant == "output_mix":  # two decoder rows per call, the context's own cache
         model.enable_output_mix(match=4, hidden=False, length=True)
         model.enable_output_copy(sure=True)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    docs = [
-        {"text": " ".join(f"{words[(i * j) % 10].capitalize()} {words[j % 10]} {j}." for j in range(60))}
-        for i in range(3)
-    ]
-    cfg = Config(
-        haystack={"documents": docs},
-        totals=[400, 800],
-        depths=[0.0, 0.5],
-        decoder_window=64,
-        chunk_length=32,
-        chat_template=False,
-    )
+    cfg = _needle_config()
     rows = mod.probe(model, tok, cfg, bf16=False, forced="The special magic")
     assert {(r["total"], r["depth"]) for r in rows} == {(t, d) for t in (400, 800) for d in (0.0, 0.5)}
     layers = len(model.cross_attention_modules())
