@@ -43,6 +43,52 @@ def test_bench_store_tiny(tmp_path):
     assert "| 1024 |" in (tmp_path / "bench_store.md").read_text()
 
 
+def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """As ``cepe bench`` does: the rows measured so far are in ``bench_store.partial.json`` after each
+    length, each exactly as ``bench_store.json`` holds it; a finished run leaves only ``bench_store.json``
+    and ``bench_store.md``. Before, a run stopped at its second length kept nothing."""
+    from cepe.bench import store_ttft
+
+    cfg = StoreBenchConfig(
+        model="tiny", lengths=[256, 300], full_max_tokens=256, store_dtype="fp32", threads=1
+    )
+    partial = tmp_path / "bench_store.partial.json"
+    real, measured = store_ttft._measure_length, []
+
+    def stop_at_second(*args, **kw):
+        if measured:
+            raise RuntimeError("stopped at the second length")
+        measured.append(real(*args, **kw))
+        return measured[-1]
+
+    monkeypatch.setattr(store_ttft, "_measure_length", stop_at_second)
+    with pytest.raises(RuntimeError, match="second length"):
+        run_store_bench(cfg, tmp_path, log=lambda *a: None)
+    kept = json.loads(partial.read_text())
+    assert kept["complete"] is False and kept["config"]["lengths"] == [256, 300]
+    assert kept["rows"] == json.loads(json.dumps(measured))  # the one row measured, every key
+    assert kept["rows"][0]["tokens"] == 256 and kept["rows"][0]["ttft_full_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_store.partial.json"]
+
+    # a new run starts over (not a resume point); at each length the file holds the rows before it, as
+    # the final file holds them, and once the final files are written it is gone
+    seen = []
+
+    def snapshot(*args, **kw):
+        seen.append(json.loads(partial.read_text())["rows"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store_ttft, "_measure_length", snapshot)
+    res = run_store_bench(cfg, tmp_path, log=lambda *a: None)
+    final = json.loads((tmp_path / "bench_store.json").read_text())
+    assert seen == [kept["rows"], final["rows"][:1]] and len(final["rows"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_store.json", "bench_store.md"]
+    assert final == json.loads(json.dumps(res))
+    assert {k: v for k, v in kept.items() if k not in ("rows", "complete")} == {
+        k: v for k, v in final.items() if k not in ("rows", "bytes")
+    }
+
+
 def test_bench_store_with_a_mixture_that_reads_the_ids(tmp_path, monkeypatch):
     """An adapter whose output mixture matches the context's ids (the shipped one): every path gets the
     ids next to Φ, and the stored and re-encoded first tokens agree."""

@@ -18,12 +18,11 @@ from cepe.dtypes import torch_dtype
 
 from .config import PREFILL_METHODS, BenchConfig
 from .flops import CostModel
-from .report import plot, summarize, write_json
+from .report import PartialRows, plot, summarize, write_json
 from .runner import RESULT_TAG, build_model, cost_model, matmul_peak_flops, run_setting
 
-# the rows measured so far, rewritten after each setting and removed once bench.json is written: a run
-# stopped part-way (killed, out of memory) keeps what it measured; a new run starts over (its ratios must
-# come from one run), so the file is a record, not a resume point
+# the rows measured so far, rewritten after each setting and removed once bench.json is written (see
+# report.PartialRows): a record, not a resume point
 PARTIAL = "bench.partial.json"
 
 
@@ -80,15 +79,13 @@ def run_benchmark(
     model = build_model(cfg) if in_process else None
     cm = _cost_model(cfg, model)
     out = Path(out_dir) if out_dir is not None else None
-    partial = out / PARTIAL if out is not None else None
-    rows: list[dict[str, Any]] = []
+    # a run stopped part-way keeps the rows it measured (not a resume point)
+    partial = PartialRows(
+        out / PARTIAL if out is not None else None, config=cfg.to_dict(), machine=machine_start
+    )
+    rows = partial.rows
     for setting in cfg.settings():
-        rows.append(_measure(cfg, setting, cm, model, peak, log))
-        if partial is not None:  # a run stopped part-way keeps the rows it measured (not a resume point)
-            out.mkdir(parents=True, exist_ok=True)
-            write_json(
-                {"config": cfg.to_dict(), "machine": machine_start, "rows": rows, "complete": False}, partial
-            )
+        partial.append(_measure(cfg, setting, cm, model, peak, log))
     predicted = {str(t): {m: cm.prefill(m, t) for m in PREFILL_METHODS} for t in sorted({*cfg.lengths})}
     result: dict[str, Any] = {
         "config": cfg.to_dict(),
@@ -111,7 +108,7 @@ def run_benchmark(
             (out / "bench.png").unlink(missing_ok=True)  # not an earlier run's plot beside these numbers
             log(f"bench.png not written: {type(err).__name__}: {err}")
         write_json(result, out / "bench.json")  # last: the run's record, whatever became of its plot
-        (out / PARTIAL).unlink(missing_ok=True)
+        partial.done()
     return result
 
 

@@ -66,5 +66,9 @@ def register_store(sub: argparse._SubParsersAction) -> None:
         "bench-store", help="time to first token: stored context vs re-encoding vs full prefill"
     )
     add_config_flags(p, StoreBenchConfig, config_file="StoreBenchConfig fields, JSON or YAML")
-    p.add_argument("--out", default="runs/bench-store")
+    p.add_argument(
+        "--out",
+        default="runs/bench-store",
+        help="output directory for bench_store.json and bench_store.md (bench_store.partial.json while it runs)",
+    )
     p.set_defaults(func=_cmd_store)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 # CEPE / full-context prefill throughput the benchmark aims for, by total tokens (80% of the cost model's
@@ -230,6 +231,36 @@ def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     from cepe.fileio import write_json as write_atomic
 
     write_atomic(path, result, indent=2)
+
+
+class PartialRows:
+    """The rows a run has measured so far, kept in a file while the run goes on (``cepe bench``:
+    ``bench.partial.json``; ``cepe bench-store``: ``bench_store.partial.json``).
+
+    :meth:`append` adds a row and rewrites the file atomically: ``{**header, "rows": [...], "complete":
+    false}``, each row as measured (``cepe bench`` adds ``fraction_of_peak`` to its final rows; ``cepe
+    bench-store``'s final rows are these), so a run stopped part-way (killed, out of memory, an error) keeps
+    what it measured. :meth:`done`, called once the final file is written, removes it. A new
+    run starts over (its ratios must come from one run), so the file is a record, not a resume point.
+    With ``path`` None (a run that writes nothing) the rows are only collected.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, **header: Any) -> None:
+        self.path = Path(path) if path is not None else None
+        self.header = header
+        self.rows: list[dict[str, Any]] = []
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Add ``row`` and rewrite the file with every row so far."""
+        self.rows.append(row)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json({**self.header, "rows": self.rows, "complete": False}, self.path)
+
+    def done(self) -> None:
+        """The run's final file is written: remove the partial one."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:

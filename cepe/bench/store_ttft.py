@@ -22,6 +22,11 @@ same first token. The stored Φ is rounded to ``store_dtype`` and cast back to t
 two differ (an fp32 model with a bf16 store), the rounding can flip a near-tie between the two most likely
 tokens, which the markdown then says.
 
+While the run goes on, ``bench_store.partial.json`` (in ``out_dir``) holds the rows measured so far, each as
+``bench_store.json`` will hold it (:class:`cepe.bench.report.PartialRows`, as ``cepe bench`` does), so a run
+stopped part-way keeps them; it is removed once ``bench_store.json`` and ``bench_store.md`` are written. A
+new run starts over, so the file is a record, not a resume point.
+
 Ratios are taken within the run. Bytes per token: the stored file size over T, Φ alone
 (``D_enc`` × dtype bytes) and full-context K/V (2 × layers × KV heads × head dim × dtype bytes).
 Shape legend: T context tokens, S encoder positions, D = D_enc.
@@ -45,7 +50,10 @@ from ..dtypes import torch_dtype
 from ..fileio import write_text
 from ..tables import pipe_table
 from .config import DTYPE_NAMES, StoreBenchConfig
+from .report import PartialRows
 
+# the rows measured so far (see PartialRows): a record, not a resume point
+PARTIAL = "bench_store.partial.json"
 QUESTION = "What is the main point of the document above? Answer in one sentence."
 
 
@@ -95,7 +103,9 @@ def run_store_bench(
     """Measure every length of ``cfg`` (see the module docstring).
 
     Returns:
-        ``{"config", "machine", "rows", "bytes"}``; also written to ``out_dir/bench_store.{json,md}``.
+        ``{"config", "question_tokens", "machine", "rows", "bytes"}``; also written to
+        ``out_dir/bench_store.{json,md}`` (None: write nothing). While the run goes on,
+        ``out_dir/bench_store.partial.json`` holds the rows measured so far; it is removed at the end.
     """
     from ..generation import load_model_and_tokenizer
     from ..store import ContextStore, prompt_ids
@@ -114,7 +124,19 @@ def run_store_bench(
     length = int(model.cepe_config.chunk_length)
     prompt = torch.tensor([prompt_ids(tok, [{"role": "user", "content": QUESTION}])])
     g = torch.Generator().manual_seed(cfg.seed)
-    rows = []
+    machine = (
+        f"{platform.machine()} cpu x{os.cpu_count()}, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, model dtype {str(model.dtype).removeprefix('torch.')}"
+    )
+    out = Path(out_dir) if out_dir is not None else None
+    # a run stopped part-way (they take many minutes per 128K row) keeps the rows it measured
+    partial = PartialRows(
+        out / PARTIAL if out is not None else None,
+        config=asdict(cfg),
+        question_tokens=int(prompt.shape[1]),
+        machine=machine,
+    )
+    rows = partial.rows
     with tempfile.TemporaryDirectory(prefix="cepe-bench-store-") as tmp:
         store = ContextStore(Path(tmp) / "store", model, tok, dtype=cfg.store_dtype)
         # warm-up: first calls allocate and pick kernels
@@ -124,20 +146,19 @@ def run_store_bench(
         _first_token_cepe(model, prompt, cfg.cache, **_encoded(model, c, s, k))
         for n in cfg.lengths:
             ids = torch.randint(0, vocab, (n,), generator=g)
-            rows.append(_measure_length(cfg, model, tok, store, prompt, ids, log))
+            partial.append(_measure_length(cfg, model, tok, store, prompt, ids, log))
     result = {
         "config": asdict(cfg),
         "question_tokens": int(prompt.shape[1]),
-        "machine": f"{platform.machine()} cpu x{os.cpu_count()}, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, model dtype {str(model.dtype).removeprefix('torch.')}",
+        "machine": machine,
         "rows": rows,
         "bytes": _bytes_summary(cfg, model, rows),
     }
-    if out_dir is not None:
-        out = Path(out_dir)
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_text(out / "bench_store.json", json.dumps(result, indent=2) + "\n")
         write_text(out / "bench_store.md", format_markdown(result))
+        partial.done()  # last: the final files hold every row
     return result
 
 
