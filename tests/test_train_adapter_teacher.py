@@ -294,6 +294,49 @@ def test_cost_model_counts_the_adapter_teacher(tmp_path):
     assert abs((whole - none) - none) < 0.05 * none  # about the student's own forward again
 
 
+def test_cost_model_counts_the_teacher_adapter_in_its_own_shapes(tmp_path):
+    """A teacher adapter shaped otherwise than its student (another encoder depth and width, with a
+    down-projection, cross-attention in one layer of two) costs, per example, its own forward as the cost
+    model counts it for that adapter, not the student's; one that keeps its output mixture adds its
+    decoder run alone."""
+    from cepe.training.speed import step_flops
+
+    student = build_model(_cfg(tmp_path))
+    other = _cfg(
+        tmp_path,
+        encoder_init="random",
+        encoder={
+            "hidden_size": 32,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 48,
+            "output_size": 24,
+        },
+        cepe={"init_mode": "gate", "cross_attention_layers": [1]},
+    )
+    shaped = build_model(other)
+    assert shaped.cepe_config.encoder.num_hidden_layers != student.cepe_config.encoder.num_hidden_layers
+    path = _saved(shaped, tmp_path / "t")
+    plain = _cfg(tmp_path, online_teacher=False)
+    taught = _cfg(tmp_path, teacher_adapter=path)
+    none = step_flops(plain, student)["forward"]
+    whole = step_flops(taught, student)["forward"]
+    assert whole - none == step_flops(plain, load_teacher(taught))["forward"]
+    shaped.enable_output_mix(2, hidden=False)
+    mixed = _saved(shaped, tmp_path / "mixed")
+    with_mix = step_flops(_cfg(tmp_path, teacher_adapter=mixed), student)["forward"]
+    dropped = step_flops(_cfg(tmp_path, teacher_adapter=mixed, teacher_drop_mixture=True), student)["forward"]
+    assert dropped == whole
+    mixing = 2 * (taught.n_decoder - 1) * shaped.mix_head.weight.shape[1]  # its mixing head, not counted
+    assert (
+        with_mix - none
+        == step_flops(plain, load_teacher(_cfg(tmp_path, teacher_adapter=mixed)))["forward"]
+        - taught.batch_size * mixing
+    )
+
+
 def test_taught_counts_are_the_rows_the_teacher_runs_for(tmp_path):
     """``taught_counts`` counts, kind by kind, the examples whose rows the stage module gives the teacher:
     one step's batch built as training builds it has as many teacher rows as it says."""
@@ -348,3 +391,114 @@ def test_bf16_holds_the_teacher_decoders_linears_and_nothing_else(tmp_path):
     assert held == linears and len(linears) == 2 * 7  # q k v o gate up down per layer
     assert dec.get_output_embeddings().weight is dec.get_input_embeddings().weight  # tied: kept in fp32
     assert dec.get_input_embeddings().weight.dtype == torch.float32
+
+
+def test_teacher_max_context_keeps_long_contexts_out_of_the_teachers_forward(tmp_path):
+    """The cap skips the teacher's forward for the examples it leaves untaught, rather than running and
+    discarding them: the teacher runs once per micro-batch on the taught examples alone, its encoder
+    input only their kept tokens in its own chunks (a long context never enters it); with none taught it
+    does not run, the KL is 0 and the cross-entropy is the student's alone."""
+    cfg = _cfg(tmp_path, context_drop=1.0)  # lm examples keep 1..4 chunks of 8
+    model = build_model(cfg)
+    _open_gates(model)
+    batch = _batch(cfg, 8)
+    kept = batch["encoder_attention_mask"].flatten(1).sum(-1)  # (8,)
+    short = kept <= 16
+    assert 0 < int(short.sum()) < 8, kept
+    path = _saved(model, tmp_path / "t", chunk_length=5)
+    calls = []
+
+    def recording(module):
+        teacher = module._teacher[0]
+        run = teacher.forward
+
+        def counted(*args, **kwargs):
+            calls.append((tuple(kwargs["input_ids"].shape), tuple(kwargs["encoder_input_ids"].shape)))
+            return run(*args, **kwargs)
+
+        teacher.forward = counted
+        return module
+
+    capped = recording(
+        StageModule(model, _cfg(tmp_path, context_drop=1.0, teacher_adapter=path, teacher_max_context=16))
+    )
+    _, metrics = capped(batch)
+    capped.release()
+    longest = int(kept[short].max())
+    assert calls == [((int(short.sum()), 32), (int(short.sum()), -(-longest // 5), 5))]
+    assert float(metrics["kl"]) > 0 and torch.equal(metrics["kl_taught"], metrics["kl"])
+    calls.clear()
+    none = recording(
+        StageModule(model, _cfg(tmp_path, context_drop=1.0, teacher_adapter=path, teacher_max_context=1))
+    )
+    _, untaught = none(batch)
+    none.release()
+    assert calls == [] and float(untaught["kl"]) == 0.0 and "kl_taught" not in untaught
+    plain = StageModule(model, _cfg(tmp_path, context_drop=1.0, online_teacher=False))
+    alone, _ = plain(batch)  # its loss: the cross-entropy alone
+    plain.release()
+    torch.testing.assert_close(untaught["lm"], alone.detach())
+
+
+def test_bf16_teacher_is_the_adapter_under_autocast_and_aligned_with_its_student(tmp_path):
+    """On the bf16 fast path the stage's teacher gives exactly the top-k that the adapter, loaded on its
+    own with fp32 weights, gives under bf16 autocast; a student on that path taught by its own weights
+    has a KL of fp16 rounding only (its rows and the teacher's are the same positions)."""
+    from cepe.training.trainer import _build_modules
+
+    model = build_model(_cfg(tmp_path))
+    _open_gates(model)
+    path = _saved(model, tmp_path / "t")
+    cfg = _cfg(tmp_path, teacher_adapter=path, init_adapter=path)  # the student starts as its teacher
+    student, _, module = _build_modules(cfg, use_bf16=True)
+    batch = _batch(cfg)
+    _, metrics = module(batch)
+    module.release()
+    assert abs(float(metrics["kl"])) < 2e-4
+    taught = dict(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module._run_teacher(student, taught)
+        alone = adapter_teacher_topk(load_teacher(cfg), *_teacher_args(batch)[:4], cfg.top_k)
+    assert torch.equal(taught["teacher_probs"], alone[0]) and torch.equal(taught["teacher_indices"], alone[1])
+    fp32 = adapter_teacher_topk(load_teacher(cfg), *_teacher_args(batch)[:4], cfg.top_k)
+    assert not torch.equal(alone[0], fp32[0])  # autocast does change the teacher: the check above has teeth
+
+
+def test_the_log_keeps_the_taught_micro_batches_kl_apart(tmp_path):
+    """Where the teacher runs for some examples only, a step's ``kl`` is the mean of its micro-batches' KL
+    terms, 0 for a micro-batch with no taught example; ``kl_taught`` is the mean over the micro-batches
+    with one (absent from a step with none): the taught examples' KL, which the training loss is
+    unchanged by."""
+    from cepe.training.trainer import example_maker, micro_batch
+
+    model = build_model(_cfg(tmp_path))
+    _open_gates(model)
+    path = _saved(model, tmp_path / "t")
+    cfg = _cfg(
+        tmp_path,
+        steps=3,
+        batch_size=8,
+        micro_batch_size=2,
+        teacher_adapter=path,
+        teacher_max_context=8,
+        context_drop=1.0,
+    )
+    make = example_maker(cfg)
+    accum = cfg.batch_size // cfg.micro_batch_size
+    taught = [  # micro-batches with a taught example, step by step
+        sum(
+            bool((micro_batch(cfg, make, s, m)["encoder_attention_mask"].flatten(1).sum(-1) <= 8).any())
+            for m in range(accum)
+        )
+        for s in range(cfg.steps)
+    ]
+    assert any(0 < t < accum for t in taught), taught
+    log = read_log(train(cfg))
+    for record, t in zip(log, taught, strict=True):
+        if t == 0:
+            assert record["kl"] == 0.0 and "kl_taught" not in record
+            continue
+        assert record["kl_taught"] * t == pytest.approx(record["kl"] * accum, rel=1e-5)
+        assert record["loss"] == pytest.approx(record["lm"] + cfg.kl_coef * record["kl"], rel=1e-5)
+    every = _cfg(tmp_path, teacher_adapter=path, output_dir=str(tmp_path / "every"), steps=1)
+    assert "kl_taught" not in read_log(train(every))[0]  # a teacher for every example: kl is its KL

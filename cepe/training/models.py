@@ -257,6 +257,16 @@ def teacher_rows(
     return rows
 
 
+def _some_taught(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether the teacher, run for some examples only (``batch["teacher_rows"]``), taught a scored row of
+    this micro-batch: its KL is then that of taught rows, where otherwise it is 0 (the log keeps the two
+    apart as ``kl_taught``). False where every example is taught (``kl`` is then the taught KL)."""
+    rows = batch.get("teacher_rows")
+    if rows is None:
+        return False
+    return bool(((batch["labels"][:, 1:] != -100) & rows[:, None]).any())
+
+
 def stage_decoder_name(cfg: TrainConfig) -> str:
     """The name a stage records as its adapters' decoder (``"tiny"`` for a tiny random decoder)."""
     return "tiny" if cfg.tiny_decoder is not None else str(cfg.decoder)
@@ -415,6 +425,8 @@ class StageModule(nn.Module):
                 if distill:
                     loss = self.ce_coef * lm + self.kl_coef * kl
                     metrics.update(lm=lm.detach(), kl=kl.detach())
+                    if _some_taught(batch):  # the log's mean over the micro-batches the teacher taught
+                        metrics["kl_taught"] = kl.detach()
                 if ctx is not None and ctx.align is not None:
                     align = ctx.align.loss()
                     ctx.align = None
@@ -439,7 +451,10 @@ class StageModule(nn.Module):
             mask=scored.reshape(-1),
         )
         loss = self.ce_coef * ce + self.kl_coef * kl
-        return loss, {"ce": ce.detach(), "kl": kl.detach()}
+        metrics = {"ce": ce.detach(), "kl": kl.detach()}
+        if _some_taught(batch):
+            metrics["kl_taught"] = kl.detach()
+        return loss, metrics
 
     def _run_teacher(self, m: CepeForCausalLM, batch: dict[str, torch.Tensor]) -> None:
         """Fill ``batch["teacher_probs"]`` and ``batch["teacher_indices"]`` (and ``batch["teacher_rows"]``

@@ -444,13 +444,23 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
                 for k in kinds
             ]
         cap = getattr(cfg, "teacher_max_context", None)  # counted as if every taught example reached it
+        own = None  # (its config, its encoder's shape, its cross-attention layers) for teacher_adapter
+        if getattr(cfg, "teacher_adapter", None) is not None:
+            own = _adapter_teacher_shape(cfg, dec.layers)
         for share, ctx in runs:
             ctx = ctx if cap is None else min(ctx, cap)
-            if getattr(cfg, "teacher_adapter", None) is not None:  # one CEPE forward, the student's shape
-                t_lin = dec.layers * linear + head + 2 * ctx * enc.layers * enc.linear_params_per_layer
-                t_lin += len(layers) * (2 * n * 2 * dec.hidden * hq + 2 * ctx * 2 * enc.hidden * hkv)
-                t_att = dec.layers * attn + len(layers) * 4 * n * ctx * dec.heads * dec.head_dim
-                t_att += 4 * ctx * chunk * enc.heads * enc.head_dim * enc.layers
+            if own is not None:  # one forward of the teacher adapter, in its own shapes and chunk length
+                t_cfg, t_enc, t_layers = own
+                t_state, t_chunk = int(t_cfg.encoder.state_size), int(t_cfg.chunk_length)
+                t_lin = dec.layers * linear + head + 2 * ctx * t_enc.layers * t_enc.linear_params_per_layer
+                if t_cfg.encoder.output_size is not None:  # its down-projection D -> D_enc
+                    t_lin += 2 * ctx * t_enc.hidden * t_state
+                t_lin += t_layers * (2 * n * 2 * dec.hidden * hq + 2 * ctx * 2 * t_state * hkv)
+                t_att = dec.layers * attn + t_layers * 4 * n * ctx * dec.heads * dec.head_dim
+                t_att += 4 * ctx * t_chunk * t_enc.heads * t_enc.head_dim * t_enc.layers
+                if t_cfg.output_mix and not getattr(cfg, "teacher_drop_mixture", False):
+                    t_lin += dec.layers * linear + head  # its mixture's decoder alone (its heads not counted)
+                    t_att += dec.layers * attn
                 fwd_lin += round(share * t_lin)
                 fwd_att += round(share * t_att)
                 continue
@@ -467,13 +477,27 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     }
 
 
+def _adapter_teacher_shape(cfg: Any, decoder_layers: int) -> tuple[Any, Any, int]:
+    """``(CepeConfig, encoder DecoderShape, number of cross-attention layers)`` of ``cfg.teacher_adapter``,
+    read from its saved configuration (no weights loaded)."""
+    from pathlib import Path
+
+    from cepe.bench.flops import DecoderShape
+    from cepe.config import CepeConfig
+    from cepe.modeling import ADAPTER_CONFIG
+
+    t_cfg = CepeConfig.load(Path(str(cfg.teacher_adapter)) / ADAPTER_CONFIG)
+    return t_cfg, DecoderShape.from_encoder_config(t_cfg.encoder), len(t_cfg.layer_indices(decoder_layers))
+
+
 COST_MODEL = (
     "matmul FLOPs only (2 per multiply-add): forward = frozen decoder layers + head on every decoder "
     "token, cross-attention with keys projected, encoder chunks; backward = 2x forward for the trainable "
     "encoder and cross-attention (frozen ones: input gradients only), 1x forward (attention 2x) for "
     "frozen decoder layers above the lowest cross-attention layer, its MLP and the head; no backward "
     "below it; an online CEPED teacher adds the decoder's forward over context + decoder tokens (up to "
-    "its positions; times the share of examples it runs for; with teacher_max_context an upper bound, "
-    "each taught example at most that long); the output mixture adds the decoder's forward without the "
+    "its positions; a teacher adapter: one forward of it, in its own shapes; times the share of examples "
+    "it runs for; with teacher_max_context an upper bound, each taught example at most that long); the "
+    "output mixture adds the decoder's forward without the "
     "context and its mixing head"
 )
