@@ -148,9 +148,7 @@ def run_store_bench(
             ids = torch.randint(0, vocab, (n,), generator=g)
             partial.append(_measure_length(cfg, model, tok, store, prompt, ids, log))
     result = {
-        "config": asdict(cfg),
-        "question_tokens": int(prompt.shape[1]),
-        "machine": machine,
+        **partial.header,  # config, question_tokens, machine
         "rows": rows,
         "bytes": _bytes_summary(cfg, model, rows),
     }

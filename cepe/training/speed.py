@@ -385,12 +385,7 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
     head = 2 * (n - 1) * dec.hidden * dec.vocab
     above = dec.layers - 1 - min(layers) if layers else 0
     d_state = int(model.cepe_config.encoder.state_size)  # Φ's width (after a down-projection, if any)
-    x_lin = len(layers) * (2 * n * 2 * dec.hidden * hq + 2 * s * 2 * d_state * hkv)
-    x_att = len(layers) * 4 * n * s * dec.heads * dec.head_dim
-    e_lin = 2 * s * enc.layers * enc.linear_params_per_layer
-    if model.cepe_config.encoder.output_size is not None:  # the down-projection D -> D_enc
-        e_lin += 2 * s * enc.hidden * d_state
-    e_att = 4 * k * chunk * chunk * enc.heads * enc.head_dim * enc.layers
+    x_lin, x_att, e_lin, e_att = _reading_flops(dec, enc, model.cepe_config, len(layers), n, s, chunk)
     fwd_lin = dec.layers * linear + head + x_lin + e_lin
     fwd_att = dec.layers * attn + x_att + e_att
     # what needs gradients: the encoder (train_only / freeze_encoder may hold it) and the cross-attention
@@ -451,13 +446,11 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
             ctx = ctx if cap is None else min(ctx, cap)
             if own is not None:  # one forward of the teacher adapter, in its own shapes and chunk length
                 t_cfg, t_enc, t_layers = own
-                t_state, t_chunk = int(t_cfg.encoder.state_size), int(t_cfg.chunk_length)
-                t_lin = dec.layers * linear + head + 2 * ctx * t_enc.layers * t_enc.linear_params_per_layer
-                if t_cfg.encoder.output_size is not None:  # its down-projection D -> D_enc
-                    t_lin += 2 * ctx * t_enc.hidden * t_state
-                t_lin += t_layers * (2 * n * 2 * dec.hidden * hq + 2 * ctx * 2 * t_state * hkv)
-                t_att = dec.layers * attn + t_layers * 4 * n * ctx * dec.heads * dec.head_dim
-                t_att += 4 * ctx * t_chunk * t_enc.heads * t_enc.head_dim * t_enc.layers
+                tx_lin, tx_att, te_lin, te_att = _reading_flops(
+                    dec, t_enc, t_cfg, t_layers, n, ctx, int(t_cfg.chunk_length)
+                )
+                t_lin = dec.layers * linear + head + tx_lin + te_lin
+                t_att = dec.layers * attn + tx_att + te_att
                 if t_cfg.output_mix and not getattr(cfg, "teacher_drop_mixture", False):
                     t_lin += dec.layers * linear + head  # its mixture's decoder alone (its heads not counted)
                     t_att += dec.layers * attn
@@ -475,6 +468,23 @@ def step_flops(cfg: Any, model: nn.Module) -> dict[str, int]:
         "decoder_tokens": b * n,
         "encoder_tokens": b * s,
     }
+
+
+def _reading_flops(
+    dec: Any, enc: Any, cepe_cfg: Any, n_cross: int, n: int, s: int, chunk: int
+) -> tuple[int, int, int, int]:
+    """Forward matmul FLOPs of an adapter's reading, ``(cross linear, cross attention, encoder linear,
+    encoder attention)``: ``n_cross`` cross-attention layers over ``n`` decoder tokens and ``s`` encoder
+    positions, the encoder (``enc``, with ``cepe_cfg``'s down-projection if any) over chunks of ``chunk``."""
+    d_state = int(cepe_cfg.encoder.state_size)  # Φ's width (after a down-projection, if any)
+    hq, hkv = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim
+    x_lin = n_cross * (2 * n * 2 * dec.hidden * hq + 2 * s * 2 * d_state * hkv)
+    x_att = n_cross * 4 * n * s * dec.heads * dec.head_dim
+    e_lin = 2 * s * enc.layers * enc.linear_params_per_layer
+    if cepe_cfg.encoder.output_size is not None:  # the down-projection D -> D_enc
+        e_lin += 2 * s * enc.hidden * d_state
+    e_att = 4 * s * chunk * enc.heads * enc.head_dim * enc.layers
+    return x_lin, x_att, e_lin, e_att
 
 
 def _adapter_teacher_shape(cfg: Any, decoder_layers: int) -> tuple[Any, Any, int]:
