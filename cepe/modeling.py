@@ -1310,9 +1310,10 @@ def write_adapter_dir(
     config: CepeConfig,
     metadata: dict[str, str] | None = None,
 ) -> Path:
-    """Write an adapter directory (``adapter_model.safetensors`` + ``cepe_config.json``) atomically: both
-    files are written into a temporary directory and moved into place, so a crash never leaves a
-    half-written adapter. Returns the directory."""
+    """Write an adapter directory (``adapter_model.safetensors`` + ``cepe_config.json``): both files are
+    written into a temporary directory and each is moved into place with one rename, weights first, so a
+    crash never leaves a half-written file. The pair is two renames: a kill between them leaves the new
+    weights beside the old config (write the adapter again). Returns the directory."""
     out = Path(save_directory)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))

@@ -96,7 +96,7 @@ def compare(base: Path, cand: Path, method: str, tolerance: float) -> list[dict[
     names = sorted(
         p.name
         for p in cand.iterdir()
-        if VALIDATION.match(p.name) and (base / p.name).is_dir() and any(p.glob("*.json"))
+        if VALIDATION.match(p.name) and any(p.glob("*.json")) and any((base / p.name).glob("*.json"))
     )
     if not names:
         raise SystemExit(f"{cand} and {base} hold no validation config in common (bash scripts/eval_val.sh)")

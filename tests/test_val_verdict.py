@@ -107,6 +107,18 @@ def test_a_config_the_candidate_lacks_rules_the_replacement_out(tmp_path, capsys
     assert "not evaluated for the candidate: needle_val4" in capsys.readouterr().out
 
 
+def test_a_base_config_folder_with_no_result_is_not_compared(tmp_path):
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.0, 8.0, 7.9), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _folder(cand, (10.0, 7.5, 7.5), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    for f in (base / "qa_val").glob("*.json"):  # the base's evaluation left only its folder
+        f.unlink()
+    rows = mod.compare(base, cand, "cepe", 0.0)
+    assert "qa_val" not in {r["config"] for r in rows} and "fixedppl_val_short" in {r["config"] for r in rows}
+    assert mod.missing(base, cand) == []
+
+
 def test_bad_folders_are_refused_with_the_reason(tmp_path):
     mod = load_script("val_verdict")
     base, cand = tmp_path / "base", tmp_path / "cand"
