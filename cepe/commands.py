@@ -63,7 +63,7 @@ class ExportConfig:
         model: the CEPE adapter directory to read.
         out: the directory to write.
         quantize: weight storage of the written adapter (default: as loaded): ``int8`` (a scale per row) or
-            ``int8-g64`` (a scale per 64 columns of a row; about 6 % larger, closer to the weights).
+            ``int8-g64`` (a scale per 64 columns of a row; about 5 % larger, closer to the weights).
         decoder_name: decoder name to record in the adapter's config, e.g. ``default`` (default: keep the
             recorded one).
         drop_mixture: write the adapter without its output mixture and copy (``output_mix``, ``mix_copy``):

@@ -1184,7 +1184,7 @@ class CepeForCausalLM(nn.Module):
             save_directory: output directory.
             quantize: ``None`` (weights as they are), ``"int8"`` (weight-only int8 storage with a scale per
                 row, about a quarter of fp32) or ``"int8-g64"`` (a scale per 64 columns of a row: closer to
-                the weights, about 6 % larger; see :mod:`cepe.quant`).
+                the weights, about 5 % larger; see :mod:`cepe.quant`).
         """
         if quantize is not None and quantize not in QUANT_MODES:
             raise ValueError(f"quantize must be None or one of {sorted(QUANT_MODES)}, got {quantize!r}")
