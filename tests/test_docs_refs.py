@@ -601,3 +601,15 @@ def test_docs_name_only_what_exists():
     """Every path, Python name, ``cepe`` sub-command and flag the docs name exists (all failures at once)."""
     found = failures()
     assert not found, f"{len(found)} broken references in the docs:\n" + "\n".join(found)
+
+
+def test_design_counts_the_recipe_configs_that_extend_another():
+    """docs/DESIGN.md says how many recipe configs extend another: the count follows the tree."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    said = re.search(r"(\d+) of (\d+) `extends:` another", text)
+    assert said, "docs/DESIGN.md no longer says how many recipe configs extend another"
+    configs = sorted((ROOT / "configs" / "train" / "recipe").glob("*.yaml"))
+    extending = [p for p in configs if re.search(r"^extends:", p.read_text(), re.MULTILINE)]
+    assert (int(said[1]), int(said[2])) == (len(extending), len(configs)), (
+        f"docs/DESIGN.md says {said[0]!r}; the tree has {len(extending)} of {len(configs)}"
+    )
