@@ -25,7 +25,12 @@ import time
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
-    ap.add_argument("--step", type=int, default=5, help="the optimizer step whose examples are timed")
+    ap.add_argument(
+        "--step",
+        type=int,
+        default=5,
+        help="the optimizer step whose examples are timed, counted from 0 (the log's step N is N - 1 here)",
+    )
     ap.add_argument("--micro", type=int, default=None, help="time only the first N micro-batches")
     ap.add_argument(
         "--steps", type=int, default=1, help="time this many consecutive steps from --step (memory over time)"
