@@ -187,8 +187,8 @@ def _gram_hashes(ids: torch.Tensor, k: int, wrap: bool = False) -> torch.Tensor:
     """Hashes ``(..., N - k + 1)`` of the k-grams of ``ids`` ``(..., N)`` (ids ≥ 0; a gram with a negative
     id, a missing token, hashes to -1; every other gram to a number ≥ 0, unless ``wrap``: see
     :data:`HASH_MODES`)."""
-    n = ids.shape[-1] - k + 1
-    h = torch.zeros((*ids.shape[:-1], max(n, 0)), dtype=torch.long, device=ids.device)
+    n = max(ids.shape[-1] - k + 1, 0)  # no gram when there are fewer than k ids (a slice must not wrap)
+    h = torch.zeros((*ids.shape[:-1], n), dtype=torch.long, device=ids.device)
     bad = torch.zeros_like(h, dtype=torch.bool)
     for m in range(k):
         part = ids[..., m : m + n]

@@ -17,7 +17,7 @@ from conftest import (
     tiny_cepe_config,
     tiny_decoder,
 )
-from test_output_mix import _both_sides, _few_tokens, _matched, _padded_case
+from test_output_mix import _both_sides, _few_tokens, _matched, _mixed, _padded_case
 
 from cepe import CepeForCausalLM
 from cepe.config import CepeConfig
@@ -274,6 +274,42 @@ def _nearest_ref(ids: list[int], ctx: list[int], order: int) -> list[int]:
                 break
         out.append(d)
     return out
+
+
+@pytest.mark.parametrize("real", [1, 3, 5, 6, 7, 8, 9])
+def test_a_context_shorter_than_the_suffix_orders_copies_what_it_holds(real):
+    """A context with no more real tokens than the match orders (an online teacher's short example, a
+    short prompt's context) has the grams of the orders it holds and none longer: the copy is the
+    reference's, and each of the model's rows is what that row alone gives (8 orders, as shipped)."""
+    g = torch.Generator().manual_seed(real)
+    ids = torch.randint(0, 3, (2, 2, 8), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1] = False
+    mask[1, 0, :real] = True  # the second example holds `real` tokens
+    dec = torch.randint(0, 3, (2, 7), generator=g)
+    spans = copy_spans(dec, context_successors(ids, mask, 8, recency=True, decay=0.5))
+    for b in range(2):
+        ref = copy_probs_ref(dec[b].tolist(), ids[b][mask[b]].tolist(), 8, 3, 0.5)
+        torch.testing.assert_close(spans.probs(3)[b], ref)
+    model = _mixed(5, mix_match=8, mix_hidden=False)
+    model.enable_output_mix(8, False, length=True, agree=True)
+    model.enable_output_copy(True, True, True, True, True, True)
+    model.set_mix_copy_decay(1.0)
+    with torch.no_grad():
+        for head in (model.mix_head, model.copy_head):
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g))
+    enc_ids, enc_mask = _few_tokens((2, 3, 8), 4), torch.ones(2, 3, 8, dtype=torch.bool)
+    enc_mask[1] = False
+    enc_mask[1, 0, :real] = True
+    ids = _few_tokens((2, 9), 5)
+    with torch.no_grad():
+        both = model(ids, encoder_input_ids=enc_ids, encoder_attention_mask=enc_mask).logits
+        for b in range(2):
+            one = slice(b, b + 1)
+            alone = model(
+                ids[one], encoder_input_ids=enc_ids[one], encoder_attention_mask=enc_mask[one]
+            ).logits
+            torch.testing.assert_close(both[one], alone)
 
 
 def test_the_nearest_occurrence_agrees_with_a_scan():
