@@ -75,10 +75,10 @@ HISTORICAL = {
 }
 # path -> (the tracked script that writes it, the words of that script that say so, why not committed yet)
 PENDING = {
-    "results/recipe/mix_fit18m/fit150_int8": (
+    "results/recipe/mix_fit19h/fit150_int8": (
         "scripts/heads_and_validate.sh",
         "res=results/recipe/$name/fit150_int8",
-        "the chain's heads recipe after read_lm8m: its validation results land when the chain gets there",
+        "the chain's heads recipe after read_lm9h: its validation results land when the chain gets there",
     ),
     "results/recipe/soup_qa2_gates_break_rebuilt/step040": (
         "scripts/rebuild_choice.sh",

@@ -380,7 +380,10 @@ def test_shipped_configs_load(path):
             assert (ROOT / FROM_REPO[cfg.init_adapter] / "cepe_config.json").is_file()
         else:  # a later stage starts from a checkpoint of another shipped recipe run
             srcs = {o: c for o, c in _configs_by_output(path.parent).items() if o != cfg.output_dir}
-            for init in SOUPS.get(cfg.init_adapter, [GIVEN.get(cfg.init_adapter, cfg.init_adapter)]):
+            start = cfg.init_adapter
+            if start.endswith("-fit/adapter"):  # heads `cepe fit-heads` fitted over a recipe's start
+                start = srcs[start.removesuffix("-fit/adapter")].init_adapter
+            for init in SOUPS.get(start, [GIVEN.get(start, start)]):
                 out, kept = init.removesuffix("/adapter").split("/checkpoints/step_")
                 assert init.endswith("/adapter")
                 while out in DERIVED:  # an adapter a script made from stages' adapters (docs/TRAINING.md)

@@ -14,7 +14,7 @@ from test_train_online_teacher import assert_plain_kl_and_ce
 from cepe.chunking import chunk_ids
 from cepe.training.data import build_example, collate, window_source
 from cepe.training.losses import teacher_topk
-from cepe.training.models import StageModule, build_model, load_teacher
+from cepe.training.models import StageModule, build_model, load_teacher, select_trainable
 from cepe.training.online_teacher import adapter_teacher_topk, online_teacher_topk
 from cepe.training.trainer import read_log, train
 
@@ -502,3 +502,52 @@ def test_the_log_keeps_the_taught_micro_batches_kl_apart(tmp_path):
         assert record["loss"] == pytest.approx(record["lm"] + cfg.kl_coef * record["kl"], rel=1e-5)
     every = _cfg(tmp_path, teacher_adapter=path, output_dir=str(tmp_path / "every"), steps=1)
     assert "kl_taught" not in read_log(train(every))[0]  # a teacher for every example: kl is its KL
+
+
+def _mixing(model, seed: int) -> None:
+    """Give ``model``'s output mixture and copy heads random weights (zero heads mix half and half)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for head in (model.mix_head, model.copy_head):
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.5)
+            head.bias.fill_(0.3)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_mixture_student_is_taught_through_its_mixed_logits(tmp_path, reference):
+    """With the output mixture (suffix matches and the copy) the student's CE and KL are those of the
+    mixed logits the adapter's forward returns, on the fast and the reference path; with the reader's
+    parts alone trainable the heads get no gradient and the reader does."""
+    mix = {"output_mix": True, "mix_match": 3, "mix_copy": True}
+    cepe = {"init_mode": "gate", "mirror_self_attention": True, **mix}
+    cfg = _cfg(tmp_path, cepe=cepe, data={"synthetic": "motif"})
+    model = build_model(cfg)
+    _open_gates(model)
+    _mixing(model, 0)
+    other = copy.deepcopy(model)
+    _open_gates(other, 0.2)
+    _mixing(other, 1)
+    taught = _cfg(
+        tmp_path,
+        cepe=cepe,
+        data={"synthetic": "motif"},
+        teacher_adapter=_saved(other, tmp_path / "t"),
+        train_only=["encoder", "cross_attn"],
+        reference_path=reference,
+    )
+    select_trainable(model, taught.train_only)
+    batch = _batch(taught)
+    probs, idx = adapter_teacher_topk(load_teacher(taught), *_teacher_args(batch))
+    module = StageModule(model, taught)
+    loss, metrics = module(batch)
+    loss.backward()
+    module.release()
+    assert_plain_kl_and_ce(model, batch, probs, idx, torch.ones(4, dtype=torch.bool), taught.kl_form, metrics)
+    torch.testing.assert_close(loss, taught.ce_coef * metrics["lm"] + taught.kl_coef * metrics["kl"])
+    assert float(metrics["kl"]) > 1e-3
+    with torch.no_grad():
+        ctx = model.prepare_context(batch["encoder_input_ids"], batch["encoder_attention_mask"])
+    assert ctx.suffix_inputs(batch["input_ids"], 0)[1].has.any()  # the copy proposes tokens here
+    assert model.mix_head.weight.grad is None and model.copy_head.weight.grad is None
+    grads = [p.grad for m in model.cross_attention_modules() for p in m.parameters() if p.requires_grad]
+    assert grads and all(g is not None for g in grads) and any(float(g.abs().sum()) > 0 for g in grads)

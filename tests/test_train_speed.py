@@ -177,9 +177,12 @@ def test_output_mix_fast_path_keeps_the_tiny_loss_curve(tmp_path, match):
         assert not torch.equal(after.copy_head.weight, before.copy_head.weight)
 
 
-def test_output_mix_refuses_distillation(tmp_path):
-    with pytest.raises(ValueError, match="output_mix"):
-        _cfg("cepe", tmp_path, **{"cepe.output_mix": "true", "online_teacher": "true"})
+def test_output_mix_is_taught_in_stage_cepe_and_refused_by_ceped(tmp_path):
+    """A mixture student takes a teacher in stage cepe (its mixed logits are taught); stage ceped scores
+    the reader alone and refuses it."""
+    assert _cfg("cepe", tmp_path, **{"cepe.output_mix": "true", "online_teacher": "true"}).online_teacher
+    with pytest.raises(ValueError, match="stage ceped scores the reader alone"):
+        _cfg("ceped", tmp_path, **{"cepe.output_mix": "true"})
 
 
 def test_run_control_fields_leave_the_fingerprint_alone(tmp_path):

@@ -272,7 +272,9 @@ class TrainConfig:
             ``"renorm"`` (both renormalised over the teacher's top-k: the student's mass elsewhere is free)
             or ``"other"`` (a (k+1)-th bucket holding the leftover mass, teacher smoothed by
             ``kl_smoothing``); see :func:`cepe.training.losses.topk_kl`. The KL counts only positions whose
-            label is not -100, as the cross-entropy.
+            label is not -100, as the cross-entropy. With ``cepe.output_mix`` (stage ``cepe``) the student
+            is the output mixture: its cross-entropy and KL are of the mixed logits, so a reader trained
+            under fixed heads (``train_only`` naming the reader's parts) learns what the heads leave to it.
         kl_smoothing: the smoothing ``s`` of the ``"other"`` KL form, whose teacher becomes
             ``(1 - s)·p + s/(k+1)`` (never zero).
         online_teacher: the frozen decoder itself is the teacher, run during training (no teacher pass,
@@ -630,9 +632,10 @@ class TrainConfig:
             )
         if self.cepe.get("output_mix"):
             _check(
-                self.stage in ("warmup", "cepe") and not self.online_teacher and self.teacher_dir is None,
-                "cepe.output_mix trains on the mixture's next-token loss; distillation (stage ceped, "
-                "online_teacher, teacher_dir) is not supported with it: remove output_mix or the teacher",
+                self.stage in ("warmup", "cepe"),
+                "cepe.output_mix trains on the mixture's next-token loss (and with online_teacher or "
+                "teacher_dir its KL to the teacher); stage ceped scores the reader alone: use stage cepe "
+                "with a teacher, or remove output_mix",
             )
         if self.projection_fit_tokens:
             _check(

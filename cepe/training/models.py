@@ -382,10 +382,11 @@ class StageModule(nn.Module):
                 batch["encoder_input_ids"], batch["encoder_attention_mask"], cross_attention_cache="states"
             )
             mixed = ctx is not None and m.cepe_config.output_mix
-            # the reference path runs the mixture as one doubled batch (recomputation in backward reads it)
-            self._held.enter_context(
-                m.use_context(ctx.with_decoder_rows() if mixed and not self.fast else ctx)
-            )
+            distill = "teacher_probs" in batch
+            # the reference path runs the mixture as one doubled batch (recomputation in backward reads it);
+            # distillation scores the mixed logits of the rows it keeps, on both paths
+            doubled = mixed and not self.fast and not distill
+            self._held.enter_context(m.use_context(ctx.with_decoder_rows() if doubled else ctx))
             if "align_targets" in batch and ctx is not None:
                 targets = batch["align_targets"]  # (B, T) flat positions in the unpacked K·L
                 if m.cepe_config.pack_keys:
@@ -393,7 +394,6 @@ class StageModule(nn.Module):
                 ctx.align = AlignProbe(targets, self.align_heads, self.align_layers, reference=not self.fast)
             if self.stage != "ceped":
                 extra: dict[str, torch.Tensor] = {}
-                distill = "teacher_probs" in batch
                 if self.fast or distill:
                     base = m.decoder.get_decoder()
                     hidden = base(
@@ -407,12 +407,8 @@ class StageModule(nn.Module):
                             alone = base(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
                         if m.cepe_config.mix_match:
                             match, copy = ctx.suffix_inputs(batch["input_ids"], 0)
-                    if distill:  # CE + KL to the decoder reading the context, from one head pass
-                        if mixed:
-                            raise ValueError(
-                                "output_mix: distillation (kl_coef, online_teacher) is not supported"
-                            )
-                        lm, kl = self._scored_losses(m, hidden, batch)
+                    if distill:  # CE + KL to the teacher, from one head pass (the mixture's with output_mix)
+                        lm, kl = self._scored_losses(m, hidden, batch, alone, match, copy)
                     else:
                         lm = lm_loss(m, hidden, batch["labels"], self._head, self.fast, alone, match, copy)
                     if "task" in batch:
@@ -489,16 +485,34 @@ class StageModule(nn.Module):
             )
 
     def _scored_losses(
-        self, m: CepeForCausalLM, hidden: torch.Tensor, batch: dict
+        self,
+        m: CepeForCausalLM,
+        hidden: torch.Tensor,
+        batch: dict,
+        alone: torch.Tensor | None = None,
+        match: torch.Tensor | None = None,
+        copy: CopySpans | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(CE, KL(teacher ‖ student))`` at the scored positions, from one pass of the student's head over
         those rows alone (the KL over the teacher's top-k, at the rows of the examples in
-        ``batch["teacher_rows"]`` where present; 0 where none is)."""
+        ``batch["teacher_rows"]`` where present; 0 where none is). With the output mixture (``alone`` the
+        decoder's hidden states without the context ``(B, T, D)``, ``match`` ``(B, T, K)`` and ``copy``
+        ``(B, T)`` where the adapter takes them) the student is the mixture: both are of its logits
+        (:meth:`CepeForCausalLM.mixed_logits`), so a reader trained under fixed heads learns what they
+        leave to it."""
         keep = batch["labels"][:, 1:] != -100  # (B, T-1)
         if not bool(keep.any()):  # nothing scored: 0, still connected to the graph
             zero = hidden.float().sum() * 0.0
             return zero, zero
-        logits = m.lm_logits(hidden[:, :-1][keep])  # (N, V)
+        if alone is None:
+            logits = m.lm_logits(hidden[:, :-1][keep])  # (N, V)
+        else:
+            logits = m.mixed_logits(
+                hidden[:, :-1][keep],
+                alone[:, :-1][keep],
+                None if match is None else match[:, :-1][keep],
+                None if copy is None else copy[:, :-1][keep],
+            )  # (N, V) fp32
         ce = F.cross_entropy(logits.float(), batch["labels"][:, 1:][keep])
         taught = None  # (N,) the rows the teacher was run for
         if "teacher_rows" in batch:
