@@ -116,6 +116,29 @@ def cpu_count_note() -> str:
     return f"{torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"cpu x{n}"
 
 
+def cpu_model_note(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's model name and its bf16 units, e.g. ``"AMD EPYC (avx512_bf16)"`` or ``"Intel(R) Xeon(R)
+    Processor (amx_bf16, avx512_bf16)"`` (``"avx2"`` where it has neither), from ``/proc/cpuinfo``; None
+    where that file does not say (not Linux). Result files record it: CPUs of other kinds round bf16
+    differently (the decoder alone, the same weights, scored 10.125 on one and 10.129 on another), so two
+    results compared to the fourth digit should say where they were computed."""
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("model name", "flags") and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    if "model name" not in fields:
+        return None
+    flags = set(fields.get("flags", "").split())
+    units = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or [f for f in ("avx2",) if f in flags]
+    return f"{fields['model name']} ({', '.join(units)})" if units else fields["model name"]
+
+
 def proc_status_bytes(key: str) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes, or None off Linux."""
     try:

@@ -22,6 +22,10 @@ validation config the base holds and the candidate lacks (an evaluation that fai
 whose candidate result lacks some of the base's cells (a shorter run) or was computed in another dtype or
 autocast than the base's (where both record it: an AVX2 machine's fp32 against an AMX machine's bf16), is
 named there and rules the replacement out until it is run alike.
+Where the fixed-target configs' context-0 cell (the decoder alone, left out of the comparison) differs
+between the two runs, the report says so, with the CPUs the results record: the runs were computed on
+machines that round bf16 differently, and a change no larger than that is within their rounding (the
+rule still counts it).
 
 Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
     [--method cepe] [--tolerance 0] [--out OUT]
@@ -146,6 +150,69 @@ def missing(base: Path, cand: Path, method: str = "cepe") -> list[str]:
     return out
 
 
+def decoder_alone(base: Path, cand: Path, method: str = "cepe") -> list[dict[str, Any]]:
+    """Each fixed-target config's context-0 cell (the decoder alone: the same model under either adapter,
+    left out of the comparison) in both runs, with the CPUs they record (``cpu``, absent in results
+    written before it was recorded). Where the two values differ the runs were computed on machines that
+    round differently, and cells that differ by less than that are within the machines' rounding."""
+    out = []
+    for p in sorted(cand.iterdir()):
+        if not (p.name.startswith("fixedppl_val") and VALIDATION.match(p.name) and any(p.glob("*.json"))):
+            continue
+        if not any((base / p.name).glob("*.json")):
+            continue
+        b, c = result(base / p.name), result(p)
+        if b["task"] != "fixedppl" or c["task"] != "fixedppl":
+            continue
+        zero = [
+            next(
+                (
+                    float(r["value"])
+                    for r in d["rows"]
+                    if r.get("method") == method and not r["setting"]["context"]
+                ),
+                None,
+            )
+            for d in (b, c)
+        ]
+        if None in zero:
+            continue
+        out.append(
+            {
+                "config": p.name,
+                "base": zero[0],
+                "candidate": zero[1],
+                "change": (zero[1] - zero[0]) / abs(zero[0]) if zero[0] else None,
+                "base_cpu": b.get("cpu"),
+                "candidate_cpu": c.get("cpu"),
+            }
+        )
+    return out
+
+
+def machine_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What the report says of the decoder-alone cells: nothing where they agree."""
+    differ = [r for r in rows if r["base"] != r["candidate"]]
+    if not differ:
+        return []
+    lines = []
+    for r in differ:
+        change = "" if r["change"] is None else f" ({100 * r['change']:+.2f} %)"
+        lines.append(
+            f"The decoder alone (context 0, the same model under either adapter) scores {r['base']:.5g} in "
+            f"the base's {r['config']} and {r['candidate']:.5g} in the candidate's{change}."
+        )
+    cpus = {(r["base_cpu"], r["candidate_cpu"]) for r in differ}
+    said = "; ".join(
+        f"base: {b or 'not recorded'}, candidate: {c or 'not recorded'}" for b, c in sorted(cpus, key=str)
+    )
+    lines.append(
+        f"So the two were computed on machines that round differently ({said}): a cell whose change is no "
+        "larger than that is within the machines' rounding; the rule below still counts it."
+    )
+    return lines
+
+
 def verdict_of(verdicts: set[str]) -> str:
     """better / worse / mixed / same from the cells' verdicts ("" without cells)."""
     if not verdicts:
@@ -188,7 +255,11 @@ def rule(verdicts: dict[str, tuple[str, str]], absent: list[str] | tuple[str, ..
 
 
 def report(
-    rows: list[dict[str, Any]], base: str, cand: str, absent: list[str] | tuple[str, ...] = ()
+    rows: list[dict[str, Any]],
+    base: str,
+    cand: str,
+    absent: list[str] | tuple[str, ...] = (),
+    machines: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
 ) -> list[str]:
     verdicts = config_verdicts(rows)
     lines = [f"# validation: {cand} against {base}", ""]
@@ -209,7 +280,9 @@ def report(
     lines += ["", *pipe_table(["config", "verdict", "answer NLL"], [[n, *v] for n, v in verdicts.items()])]
     if absent:
         lines += ["", f"not evaluated for the candidate: {', '.join(absent)}"]
-    lines += ["", rule(verdicts, absent)[1]]
+    if note := machine_lines(list(machines)):
+        lines += ["", *note]
+    lines += ["", rule(verdicts, absent)[1]]  # the last line (heads_and_validate.sh prints it)
     return lines
 
 
@@ -231,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     rows = compare(base, cand, args.method, args.tolerance)
     absent = missing(base, cand, args.method)
-    lines = report(rows, args.base, args.candidate, absent)
+    machines = decoder_alone(base, cand, args.method)
+    lines = report(rows, args.base, args.candidate, absent, machines)
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
@@ -244,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "verdicts": config_verdicts(rows),
             "not_evaluated": absent,
             "replaces": rule(config_verdicts(rows), absent)[0],
+            "decoder_alone": machines,
         }
         write_json(out.with_suffix(".json"), {"meta": meta, "rows": rows}, indent=1)
         write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")

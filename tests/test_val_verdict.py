@@ -179,3 +179,63 @@ def test_a_candidate_computed_in_another_precision_rules_the_replacement_out(tmp
         path = root / "qa_val/qa.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "dtype": "fp32", "autocast": autocast}))
     assert mod.missing(base, cand) == ["qa_val (computed with autocast none, the base with bfloat16)"]
+
+
+def test_the_decoder_alone_differing_between_runs_is_reported_with_their_cpus(tmp_path, capsys):
+    """The context-0 cell is the same model under either adapter, so a difference there is the machines'
+    rounding: the report gives it and the CPUs the results record, and says nothing where the two agree;
+    the rule is unchanged either way."""
+    mod = load_script("val_verdict")
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    _folder(base, (10.129, 8.219, 8.064), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _folder(cand, (10.129, 8.210, 8.060), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    assert mod.main([str(cand), "--base", str(base)]) == 0
+    alike = capsys.readouterr().out
+    assert "decoder alone" not in alike and mod.machine_lines(mod.decoder_alone(base, cand)) == []
+    _folder(cand, (10.125, 8.210, 8.060), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    for root, cpu in ((base, "Xeon (amx_bf16, avx512_bf16)"), (cand, "EPYC (avx512_bf16)")):
+        path = root / "fixedppl_val_short/fixedppl.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "cpu": cpu}))
+    out = tmp_path / "verdict"
+    assert mod.main([str(cand), "--base", str(base), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "scores 10.129 in the base's fixedppl_val_short and 10.125 in the candidate's (-0.04 %)" in printed
+    assert "base: Xeon (amx_bf16, avx512_bf16), candidate: EPYC (avx512_bf16)" in printed
+    note = printed[printed.index("\n\nThe decoder alone") : printed.index("\n\nreplaces")]
+    assert (
+        printed.replace(note, "") == alike
+        and printed.rstrip().splitlines()[-1] == alike.rstrip().splitlines()[-1]
+    )
+    meta = json.loads(out.with_suffix(".json").read_text())["meta"]
+    assert meta["decoder_alone"] == [
+        {
+            "config": "fixedppl_val_short",
+            "base": 10.129,
+            "candidate": 10.125,
+            "change": pytest.approx(-0.004 / 10.129),
+            "base_cpu": "Xeon (amx_bf16, avx512_bf16)",
+            "candidate_cpu": "EPYC (avx512_bf16)",
+        }
+    ]
+    # a result that records no CPU says so
+    path = base / "fixedppl_val_short/fixedppl.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "cpu"}))
+    assert "base: not recorded, candidate: EPYC" in "\n".join(
+        mod.machine_lines(mod.decoder_alone(base, cand))
+    )
+
+
+def test_cpu_model_note_reads_the_model_and_its_bf16_units(tmp_path):
+    from cepe.measure import cpu_model_note
+
+    info = tmp_path / "cpuinfo"
+    head = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f"
+    info.write_text(head + " avx512_bf16\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_model_note(str(info)) == "AMD EPYC (avx512_bf16)"
+    info.write_text("model name\t: Intel(R) Xeon(R)\nflags\t: amx_bf16 avx2 avx512_bf16\n")
+    assert cpu_model_note(str(info)) == "Intel(R) Xeon(R) (amx_bf16, avx512_bf16)"
+    info.write_text(head + "\n")
+    assert cpu_model_note(str(info)) == "AMD EPYC (avx2)"
+    info.write_text("processor\t: 0\n")
+    assert cpu_model_note(str(info)) is None
+    assert cpu_model_note(str(tmp_path / "none")) is None

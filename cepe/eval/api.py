@@ -32,7 +32,7 @@ from cepe.dtypes import torch_dtype as to_torch_dtype
 from cepe.eval.common import EvalSetup
 from cepe.eval.config import DTYPES, EvalRunConfig
 from cepe.eval.tasks import TASKS
-from cepe.measure import cpu_count_note, seed_everything
+from cepe.measure import cpu_count_note, cpu_model_note, seed_everything
 
 if TYPE_CHECKING:
     import torch
@@ -177,6 +177,7 @@ def run_eval(
             "config": config,
             "seed": run.seed,
             "device": cpu_count_note() if device == "cpu" else device,
+            **({"cpu": cpu} if device == "cpu" and (cpu := cpu_model_note()) else {}),
             # what the numbers were computed in: the weights' dtype and the autocast (none: the weights')
             "dtype": run.dtype,
             "autocast": str(setup.autocast_dtype).removeprefix("torch.") if setup.autocast_dtype else "none",
