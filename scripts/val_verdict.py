@@ -198,17 +198,14 @@ def machine_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in differ:
         change = "" if r["change"] is None else f" ({100 * r['change']:+.2f} %)"
+        cpus = f"CPU {r['base_cpu'] or 'not recorded'} and {r['candidate_cpu'] or 'not recorded'}"
         lines.append(
             f"The decoder alone (context 0, the same model under either adapter) scores {r['base']:.5g} in "
-            f"the base's {r['config']} and {r['candidate']:.5g} in the candidate's{change}."
+            f"the base's {r['config']} and {r['candidate']:.5g} in the candidate's{change}; {cpus}."
         )
-    cpus = {(r["base_cpu"], r["candidate_cpu"]) for r in differ}
-    said = "; ".join(
-        f"base: {b or 'not recorded'}, candidate: {c or 'not recorded'}" for b, c in sorted(cpus, key=str)
-    )
     lines.append(
-        f"So the two were computed on machines that round differently ({said}): a cell whose change is no "
-        "larger than that is within the machines' rounding; the rule below still counts it."
+        "So the two were computed on machines that round differently: a cell whose change is no larger "
+        "than that is within the machines' rounding; the rule below still counts it."
     )
     return lines
 

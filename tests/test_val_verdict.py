@@ -200,7 +200,7 @@ def test_the_decoder_alone_differing_between_runs_is_reported_with_their_cpus(tm
     assert mod.main([str(cand), "--base", str(base), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "scores 10.129 in the base's fixedppl_val_short and 10.125 in the candidate's (-0.04 %)" in printed
-    assert "base: Xeon (amx_bf16, avx512_bf16), candidate: EPYC (avx512_bf16)" in printed
+    assert "candidate's (-0.04 %); CPU Xeon (amx_bf16, avx512_bf16) and EPYC (avx512_bf16)." in printed
     note = printed[printed.index("\n\nThe decoder alone") : printed.index("\n\nreplaces")]
     assert (
         printed.replace(note, "") == alike
@@ -220,7 +220,7 @@ def test_the_decoder_alone_differing_between_runs_is_reported_with_their_cpus(tm
     # a result that records no CPU says so
     path = base / "fixedppl_val_short/fixedppl.json"
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "cpu"}))
-    assert "base: not recorded, candidate: EPYC" in "\n".join(
+    assert "; CPU not recorded and EPYC (avx512_bf16)." in "\n".join(
         mod.machine_lines(mod.decoder_alone(base, cand))
     )
 
