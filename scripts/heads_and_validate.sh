@@ -11,6 +11,7 @@
 #   cepe export --model runs/recipe/NAME-fit/adapter --out runs/recipe/NAME-fit/int8 --quantize int8
 #   ONLY=CONFIG bash scripts/eval_val.sh runs/recipe/NAME-fit/int8 results/recipe/NAME/fit150_int8  (each)
 #   python scripts/val_verdict.py results/recipe/NAME/fit150_int8 --out results/recipe/NAME/val_verdict
+#   (against the shipped adapter's validation run on the CPU kind the results record, where there is one)
 # An evaluation that fails is logged and the others go on (the verdict then names it as not evaluated and
 # rules the replacement out); any other error stops the pipeline with a line in the log.
 # Log: runs/recipe/heads.log; pid: runs/recipe/heads.pid. Pause it for other work as the chain

@@ -25,8 +25,11 @@ named there and rules the replacement out until it is run alike.
 Where the fixed-target configs' context-0 cell (the decoder alone, left out of the comparison) differs
 between the two runs, the report says so, with the CPUs the results record: the runs were computed on
 machines that round bf16 differently (the same adapter's cells differed by up to 0.27 % between an AMX and
-a Zen 4 CPU), so the candidate is better judged against the base run on its own kind (``--base``); the rule
-still counts every difference.
+a Zen 4 CPU), so the candidate is better judged against the base run on its own kind; the rule still
+counts every difference.
+Without ``--base`` the base is chosen by the kind of CPU the candidate's results record (their bf16 units:
+``amx_bf16``, ``avx512_bf16`` or ``avx2``): the shipped adapter's validation run on that kind (``BASES``),
+else the default (the AMX run) with a line that says why and how to make a run on the candidate's kind.
 
 Usage: python scripts/val_verdict.py CANDIDATE_DIR [--base results/recipe/mix_fit3/fit150_int8]
     [--method cepe] [--tolerance 0] [--out OUT]
@@ -47,6 +50,14 @@ from cepe.fileio import write_json, write_text
 from cepe.tables import pipe_table
 
 BASE = "results/recipe/mix_fit3/fit150_int8"  # the shipped adapter's validation results
+# The shipped adapter's validation runs by kind of CPU (bf16 units), each made with
+# ONLY="<the nine configs>" bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT: the AMX run (an Intel
+# Xeon; its results were written before they recorded their CPU) and a Zen 4 run (an AMD EPYC).
+BASES = {"amx_bf16": BASE, "avx512_bf16": "results/recipe/mix_fit3/fit150_int8_zen4"}
+BASE_RUN = (
+    'ONLY="fixedppl_val_short fixedppl_val_short_kernel needle_val4 needle_val2 needle_val3 fixedppl_val '
+    'lm_val qa_val copy_val" bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT'
+)
 TASKS = ("fixedppl", "lm", "copy", "needle", "qa")
 VALIDATION = re.compile(r"^(fixedppl_val(_short(_kernel)?)?|lm_val|copy_val|needle_val\d*|qa_val)$")
 
@@ -60,6 +71,41 @@ def result(folder: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or "rows" not in data or "task" not in data:
         raise SystemExit(f"{files[0]}: not a cepe eval result (no task / rows)")
     return data
+
+
+def cpu_kind(note: str | None) -> str | None:
+    """The kind of CPU a result's ``cpu`` record names: its first bf16 unit in parentheses (``"Intel(R)
+    Xeon(R) (amx_bf16, avx512_bf16)"`` → ``amx_bf16``); None for no record or one without units."""
+    m = re.search(r"\(([a-z0-9_]+)(?:, [a-z0-9_]+)*\)\s*$", note or "")
+    return m.group(1) if m else None
+
+
+def recorded_kinds(folder: Path) -> set[str | None]:
+    """The kinds of CPU the validation results in ``folder`` record (None for a result without a record)."""
+    kinds: set[str | None] = set()
+    for p in sorted(folder.iterdir()):
+        if p.is_dir() and VALIDATION.match(p.name) and any(p.glob("*.json")):
+            kinds.add(cpu_kind(result(p).get("cpu")))
+    return kinds
+
+
+def choose_base(cand: Path, bases: dict[str, str] | None = None, default: str = BASE) -> tuple[str, str]:
+    """The base for a candidate judged without ``--base``, and the line that says why: the base run on
+    the kind of CPU every candidate result records, else ``default``."""
+    bases = BASES if bases is None else bases
+    kinds = recorded_kinds(cand)
+    known = sorted(k for k in kinds if k)
+    if len(known) > 1:
+        why = f"its results were computed on several kinds of CPU ({', '.join(known)})"
+    elif not known:
+        why = "its results record no CPU"
+    elif kinds != {known[0]}:
+        why = f"some of its results record no CPU (the others {known[0]})"
+    elif known[0] not in bases or not Path(bases[known[0]]).is_dir():
+        why = f"the shipped adapter has no validation run on {known[0]}: make one with {BASE_RUN}"
+    else:
+        return bases[known[0]], f"base chosen by the candidate's CPU ({known[0]}): {bases[known[0]]}"
+    return default, f"base: the default {default}, as {why}"
 
 
 def cells(data: dict[str, Any], method: str) -> dict[str, tuple[float, bool, bool]]:
@@ -259,9 +305,10 @@ def report(
     cand: str,
     absent: list[str] | tuple[str, ...] = (),
     machines: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
+    chosen: str = "",
 ) -> list[str]:
     verdicts = config_verdicts(rows)
-    lines = [f"# validation: {cand} against {base}", ""]
+    lines = [f"# validation: {cand} against {base}", "", *([chosen, ""] if chosen else [])]
     lines += pipe_table(
         ["config", "cell", "base", "candidate", "change", "verdict"],
         [
@@ -288,29 +335,39 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("candidate", help="the candidate's eval_val.sh output folder")
-    ap.add_argument("--base", default=BASE, help=f"the folder to beat (default {BASE}, the shipped adapter)")
+    ap.add_argument(
+        "--base",
+        help="the folder to beat (default: the shipped adapter's validation run on the kind of CPU the "
+        f"candidate's results record, else {BASE})",
+    )
     ap.add_argument("--method", default="cepe", help="the method whose rows are compared (default cepe)")
     ap.add_argument(
         "--tolerance", type=float, default=0.0, help="relative change counted as same (default 0)"
     )
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
-    base, cand = Path(args.base), Path(args.candidate)
-    for p in (base, cand):
-        if not p.is_dir():
-            raise SystemExit(f"{p}: no such folder (the output folder of bash scripts/eval_val.sh)")
+    cand = Path(args.candidate)
+    if not cand.is_dir():
+        raise SystemExit(f"{cand}: no such folder (the output folder of bash scripts/eval_val.sh)")
+    chosen = ""
+    if args.base is None:
+        args.base, chosen = choose_base(cand)
+    base = Path(args.base)
+    if not base.is_dir():
+        raise SystemExit(f"{base}: no such folder (the output folder of bash scripts/eval_val.sh)")
     if args.tolerance < 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     rows = compare(base, cand, args.method, args.tolerance)
     absent = missing(base, cand, args.method)
     machines = decoder_alone(base, cand, args.method)
-    lines = report(rows, args.base, args.candidate, absent, machines)
+    lines = report(rows, args.base, args.candidate, absent, machines, chosen)
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "base": args.base,
+            "base_chosen": chosen or "given (--base)",
             "candidate": args.candidate,
             "method": args.method,
             "tolerance": args.tolerance,

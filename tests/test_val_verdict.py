@@ -239,3 +239,66 @@ def test_cpu_model_note_reads_the_model_and_its_bf16_units(tmp_path):
     info.write_text("processor\t: 0\n")
     assert cpu_model_note(str(info)) is None
     assert cpu_model_note(str(tmp_path / "none")) is None
+
+
+def _record_cpu(root, cpu, configs=None):
+    for path in sorted(root.glob("*/*.json")):
+        if configs is None or path.parent.name in configs:
+            data = json.loads(path.read_text())
+            path.write_text(json.dumps({**data, "cpu": cpu} if cpu else data))
+
+
+def test_without_base_the_base_run_on_the_candidates_kind_of_cpu_is_chosen(tmp_path, capsys, monkeypatch):
+    """CPUs of other kinds round bf16 differently, so a candidate is judged against the shipped adapter's
+    run on the kind its results record; where that cannot be told, or no run of that kind exists, the
+    default base is used and the report says why."""
+    mod = load_script("val_verdict")
+    amx, zen, cand = tmp_path / "amx", tmp_path / "zen", tmp_path / "cand"
+    _folder(amx, (10.129, 8.0, 7.9), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _folder(zen, (10.125, 8.3, 8.2), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _folder(cand, (10.125, 8.1, 8.0), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _record_cpu(zen, "AMD EPYC (avx512_bf16)")
+    bases = {"amx_bf16": str(amx), "avx512_bf16": str(zen)}
+    assert mod.cpu_kind("Intel(R) Xeon(R) (amx_bf16, avx512_bf16)") == "amx_bf16"
+    assert mod.cpu_kind("AMD EPYC (avx2)") == "avx2" and mod.cpu_kind("AMD EPYC") is None
+    assert mod.cpu_kind(None) is None
+    # no record: the default, and why
+    base, why = mod.choose_base(cand, bases, default=str(amx))
+    assert base == str(amx) and why == f"base: the default {amx}, as its results record no CPU"
+    # one kind recorded by every result: its run
+    _record_cpu(cand, "AMD EPYC (avx512_bf16)")
+    assert mod.choose_base(cand, bases, default=str(amx)) == (
+        str(zen),
+        f"base chosen by the candidate's CPU (avx512_bf16): {zen}",
+    )
+    # some results without a record, several kinds, or a kind with no run: the default, and why
+    _record_cpu(cand, None)
+    _folder(cand, (10.125, 8.1, 8.0), {(2048, 0.0): (100, 0.2)}, 7.5, 4.0)
+    _record_cpu(cand, "AMD EPYC (avx512_bf16)", configs={"qa_val"})
+    assert mod.choose_base(cand, bases, str(amx))[1].endswith(
+        "some of its results record no CPU (the others avx512_bf16)"
+    )
+    _record_cpu(
+        cand, "Intel Xeon (amx_bf16, avx512_bf16)", configs={"lm_val", "needle_val4", "fixedppl_val_short"}
+    )
+    assert mod.choose_base(cand, bases, str(amx))[1].endswith(
+        "its results were computed on several kinds of CPU (amx_bf16, avx512_bf16)"
+    )
+    _record_cpu(cand, "AMD EPYC (avx2)")
+    base, why = mod.choose_base(cand, bases, str(amx))
+    assert base == str(amx) and "no validation run on avx2: make one with ONLY=" in why
+    assert "bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT" in why
+    # the command: without --base the chosen run is the base, and the report and the JSON say so
+    _record_cpu(cand, "AMD EPYC (avx512_bf16)")
+    monkeypatch.setattr(mod, "BASES", bases)
+    out = tmp_path / "verdict"
+    assert mod.main([str(cand), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"# validation: {cand} against {zen}\n\nbase chosen by the candidate's CPU")
+    assert printed.rstrip().splitlines()[-1].endswith("yes (better on fixedppl_val_short)")
+    meta = json.loads(out.with_suffix(".json").read_text())["meta"]
+    assert meta["base"] == str(zen) and meta["base_chosen"].startswith("base chosen by the candidate's CPU")
+    # given, --base wins and the report has no choice line
+    assert mod.main([str(cand), "--base", str(amx)]) == 0
+    printed = capsys.readouterr().out
+    assert "base chosen" not in printed and printed.rstrip().splitlines()[-1].endswith("better on none)")
