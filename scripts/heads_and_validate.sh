@@ -6,7 +6,8 @@
 #        recipe for `cepe fit-heads`, e.g. mix_fit14 mix_fit14k)
 # WAIT_FOR=STAGE first waits until runs/recipe/STAGE/status.json says "done" (the reader the recipes
 # read), and gives up if the chain (runs/recipe/chain.pid) ends without it.
-# Per NAME (each step skipped where its output exists, so the same command resumes):
+# Per NAME (each step skipped where its output exists and is not older than the fit, so the same command
+# resumes; an int8 export or a validation result older than fit.md is an earlier fit's, done again):
 #   cepe fit-heads --recipe configs/train/recipe/NAME.yaml --compare adapters/smollm2-135m-cepe --no-progress
 #   cepe export --model runs/recipe/NAME-fit/adapter --out runs/recipe/NAME-fit/int8 --quantize int8
 #   ONLY=CONFIG bash scripts/eval_val.sh runs/recipe/NAME-fit/int8 results/recipe/NAME/fit150_int8  (each)
@@ -89,13 +90,23 @@ pipeline() {
       cepe fit-heads --recipe "configs/train/recipe/$name.yaml" --compare adapters/smollm2-135m-cepe \
         --no-progress >> "runs/recipe/$name-fit.log" 2>&1
     fi
-    if [ ! -f "$fit/int8/cepe_config.json" ]; then
+    # exported again after the heads were fitted again (an int8 older than the fit is an earlier fit's)
+    if [ ! -f "$fit/int8/cepe_config.json" ] || [ "$fit/int8/cepe_config.json" -ot "$fit/fit.md" ]; then
       log "$name: export int8"
       cepe export --model "$fit/adapter" --out "$fit/int8" --quantize int8 >> "runs/recipe/$name-fit.log" 2>&1
     fi
     # the adapter evaluated: an evaluation that failed on it is not run again at every rerun (RETRY=1 does)
     local stamp; stamp=$(LC_ALL=C stat -c '%n %.9Y %s' "$fit/int8/"* 2>/dev/null | LC_ALL=C sort)
     for cfg in $VAL; do
+      # a result older than the fit was computed for an earlier fit (a committed result, on a machine that
+      # trained the reader and fitted the heads again): this fit is evaluated, not judged by it
+      for f in "$res/$cfg/"*.json; do
+        if [ -f "$f" ] && [ "$f" -ot "$fit/fit.md" ]; then
+          log "$name: $cfg holds a result older than this fit ($f): an earlier fit's, evaluated again"
+          rm -rf "${res:?}/$cfg"
+          break
+        fi
+      done
       if ! ls "$res/$cfg/"*.json > /dev/null 2>&1; then
         if [ -z "${RETRY:-}" ] && [ -f "$res/$cfg.failed" ] && [ "$(cat "$res/$cfg.failed")" = "$stamp" ]; then
           log "$name: $cfg failed before on this adapter ($res/$cfg.log); not run again (RETRY=1 runs it)"

@@ -426,7 +426,8 @@ def test_heads_and_validate_runs_each_step_once_and_judges_the_result(tmp_path):
 def test_heads_recipe_that_inherits_the_kernel_corpus_gets_it_prepared(tmp_path):
     """``mix_fit16`` reads ``runs/data/mini_kernel`` through ``extends: mix_fit14k.yaml`` (it never names
     it): the corpus is prepared all the same (before, only a recipe naming it did, and the chain's
-    ``heads:mix_fit16`` failed on a fresh machine), and a fit killed before its report is run again."""
+    ``heads:mix_fit16`` failed on a fresh machine), and a fit killed before its report is run again, and
+    then exported and evaluated again (what was there was the earlier fit's)."""
     root, _, calls = _heads_tree(tmp_path)
     run = ["bash", "scripts/heads_and_validate.sh", "mix_fit16"]
     assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
@@ -438,7 +439,37 @@ def test_heads_recipe_that_inherits_the_kernel_corpus_gets_it_prepared(tmp_path)
     calls.unlink()
     assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
     _wait(root / "runs/recipe/heads.pid", 120)
-    assert [c.split()[1] for c in calls.read_text().splitlines()] == ["fit-heads"]
+    assert [c.split()[1] for c in calls.read_text().splitlines()] == ["fit-heads", "export"] + ["eval"] * 9
+
+
+def test_results_older_than_the_fit_are_an_earlier_fits_and_are_evaluated_again(tmp_path):
+    """On a machine that trains the line again, a heads entry the repository has judged before finds the
+    committed results of the earlier fit: they are older than this fit, so this fit is evaluated (its
+    verdict is its own, not the earlier fit's) and, once evaluated, not again at the next rerun."""
+    root, _, calls = _heads_tree(tmp_path)
+    res = root / "results/recipe/mix_fit16/fit150_int8"
+    for cfg in ("qa_val", "lm_val"):  # the earlier fit's results, as a clone has them
+        shutil.copytree(root / "results/recipe/mix_fit3/fit150_int8" / cfg, res / cfg)
+    earlier = (res / "qa_val/qa.json").read_text()
+    (res / "qa_val/qa.json").write_text(earlier.replace('"value": ', '"value": 1'))
+    time.sleep(0.01)
+    run = ["bash", "scripts/heads_and_validate.sh", "mix_fit16"]
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    made = calls.read_text().splitlines()
+    assert [c.split()[1] for c in made if c.split()[1] in ("fit-heads", "export", "eval")] == [
+        "fit-heads",
+        "export",
+    ] + ["eval"] * 9
+    log = (root / "runs/recipe/heads.log").read_text()
+    assert "mix_fit16: qa_val holds a result older than this fit" in log
+    assert "mix_fit16: lm_val holds a result older than this fit" in log
+    assert (res / "qa_val/qa.json").read_text() == earlier  # this fit's (the stand-in's) numbers
+    calls.unlink()
+    assert subprocess.run(run, cwd=root, capture_output=True, text=True).returncode == 0
+    _wait(root / "runs/recipe/heads.pid", 120)
+    assert not calls.exists() or not [c for c in calls.read_text().splitlines() if "eval" in c]
+    assert "older than this fit" not in (root / "runs/recipe/heads.log").read_text()[len(log) :]
 
 
 def test_heads_and_validate_goes_on_past_a_failed_evaluation_and_logs_a_stop(tmp_path):
