@@ -50,14 +50,10 @@ from cepe.fileio import write_json, write_text
 from cepe.tables import pipe_table
 
 BASE = "results/recipe/mix_fit3/fit150_int8"  # the shipped adapter's validation results
-# The shipped adapter's validation runs by kind of CPU (bf16 units), each made with
-# ONLY="<the nine configs>" bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT: the AMX run (an Intel
+# The shipped adapter's validation runs by kind of CPU (bf16 units), each made with ONLY="<the default's
+# validation configs>" bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT: the AMX run (an Intel
 # Xeon; its results were written before they recorded their CPU) and a Zen 4 run (an AMD EPYC).
 BASES = {"amx_bf16": BASE, "avx512_bf16": "results/recipe/mix_fit3/fit150_int8_zen4"}
-BASE_RUN = (
-    'ONLY="fixedppl_val_short fixedppl_val_short_kernel needle_val4 needle_val2 needle_val3 fixedppl_val '
-    'lm_val qa_val copy_val" bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT'
-)
 TASKS = ("fixedppl", "lm", "copy", "needle", "qa")
 VALIDATION = re.compile(r"^(fixedppl_val(_short(_kernel)?)?|lm_val|copy_val|needle_val\d*|qa_val)$")
 
@@ -102,7 +98,11 @@ def choose_base(cand: Path, bases: dict[str, str] | None = None, default: str = 
     elif kinds != {known[0]}:
         why = f"some of its results record no CPU (the others {known[0]})"
     elif known[0] not in bases or not Path(bases[known[0]]).is_dir():
-        why = f"the shipped adapter has no validation run on {known[0]}: make one with {BASE_RUN}"
+        configs = " ".join(sorted(p.name for p in Path(default).iterdir() if VALIDATION.match(p.name)))
+        why = (
+            f"the shipped adapter has no validation run on {known[0]}: make one with "
+            f'ONLY="{configs}" bash scripts/eval_val.sh adapters/smollm2-135m-cepe OUT'
+        )
     else:
         return bases[known[0]], f"base chosen by the candidate's CPU ({known[0]}): {bases[known[0]]}"
     return default, f"base: the default {default}, as {why}"
